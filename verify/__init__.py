@@ -1,1 +1,33 @@
+"""Exact speculative decoding: rejection-sampling verifier, decoding loops, drafter protocol, metrics."""
 
+from verify.drafter import AssistantDrafter, Drafter, output_vocab_size, truncated_copy
+from verify.generate import SpeculativeOutput, TargetOutput, speculative_generate, target_generate
+from verify.metrics import (
+    accept_histogram,
+    bootstrap_ci,
+    position_acceptance,
+    summarize,
+    tau_macro,
+    tau_micro,
+)
+from verify.rejection import sample_tokens, verify_block, warp_probs
+
+__all__ = [
+    "AssistantDrafter",
+    "Drafter",
+    "SpeculativeOutput",
+    "TargetOutput",
+    "accept_histogram",
+    "bootstrap_ci",
+    "output_vocab_size",
+    "position_acceptance",
+    "sample_tokens",
+    "speculative_generate",
+    "summarize",
+    "target_generate",
+    "tau_macro",
+    "tau_micro",
+    "truncated_copy",
+    "verify_block",
+    "warp_probs",
+]

@@ -74,3 +74,140 @@ class Drafter(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows listed in ``rows`` (B',) long, in that order."""
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output distribution (the LM head's size, else ``config.vocab_size``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The model's position limit (``max_position_embeddings`` / ``n_positions``), or None if it has none."""
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+class AssistantDrafter:
+    """Any Hugging Face causal LM used as an autoregressive drafter (K forwards per step).
+
+    It keeps its own KV cache in the verifier's column layout (see the module docstring). ``draft``
+    runs the pending columns plus the anchor in one forward, then feeds d_1..d_{K-1} one at a time,
+    caching them as if committed. ``extend`` keeps the cached columns the verifier committed (with
+    the verifier's mask, which turns a row's rejected drafts into holes), crops the others and
+    queues the columns not computed yet (d_K when all K were accepted, or the prompt after
+    ``reset``); they run together with the next anchor. At temperature 0, or with
+    ``deterministic=True``, drafts are greedy and q is None; otherwise d_k is sampled from the warped
+    distribution q_k, which is returned.
+    """
+
+    target_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, model: torch.nn.Module, num_draft_tokens: int, deterministic: bool = False):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens (K) must be >= 1, got {num_draft_tokens}")
+        self.model = model
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.deterministic = deterministic
+        self.vocab_size = output_vocab_size(model)
+        self._max_position = max_positions(model)
+        self.reset(0)
+
+    def reset(self, batch_size: int) -> None:
+        from transformers import DynamicCache
+
+        device = next(self.model.parameters()).device
+        self._cache = DynamicCache(config=self.model.config)
+        self._mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, C) cached columns
+        self._pending_ids = self._mask.clone()  # (B, P) committed-or-hole columns not run yet
+        self._pending_mask = self._mask.clone()  # (B, P)
+        self._pending_pos = self._mask.clone()  # (B, P)
+        self._num_fed = 0  # trailing cached columns [anchor, d_1, ...] written by draft(), unconfirmed
+
+    def extend(self, input_ids, attention_mask, position_ids, hidden_states=None) -> None:
+        keep = min(self._num_fed, input_ids.shape[1])
+        if self._num_fed > keep:
+            self._cache.crop(keep - self._num_fed)
+        confirmed = self._mask[:, : self._mask.shape[1] - self._num_fed]
+        self._mask = torch.cat([confirmed, attention_mask[:, :keep]], dim=1)
+        self._pending_ids = torch.cat([self._pending_ids, input_ids[:, keep:]], dim=1)
+        self._pending_mask = torch.cat([self._pending_mask, attention_mask[:, keep:]], dim=1)
+        self._pending_pos = torch.cat([self._pending_pos, position_ids[:, keep:]], dim=1)
+        self._num_fed = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._cache.batch_select_indices(rows)
+        self._mask = self._mask[rows]
+        self._pending_ids = self._pending_ids[rows]
+        self._pending_mask = self._pending_mask[rows]
+        self._pending_pos = self._pending_pos[rows]
+
+    def _forward(self, input_ids, positions, new_mask) -> torch.Tensor:  # (B, n) x3 -> (B, V)
+        """Run n new columns through the assistant, appending them to its cache and mask."""
+        if self._max_position is not None:
+            positions = positions.clamp(max=self._max_position - 1)  # only slots past the cap get here
+        self._mask = torch.cat([self._mask, new_mask], dim=1)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self._mask,
+            position_ids=positions.clamp_min(0),
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def draft(self, anchor_ids, anchor_position_ids, *, temperature=0.0, top_k=None, top_p=None, generator=None):
+        from verify.rejection import sample_tokens, warp_probs
+
+        greedy = temperature == 0 or self.deterministic
+        ones = torch.ones_like(anchor_ids).unsqueeze(1)  # (B, 1)
+        logits = self._forward(
+            torch.cat([self._pending_ids, anchor_ids.unsqueeze(1)], dim=1),
+            torch.cat([self._pending_pos, anchor_position_ids.unsqueeze(1)], dim=1),
+            torch.cat([self._pending_mask, ones], dim=1),
+        )
+        self._pending_ids = self._pending_mask = self._pending_pos = self._pending_ids[:, :0]
+        self._num_fed = 1
+        tokens, probs = [], []
+        for k in range(1, self.num_draft_tokens + 1):
+            if greedy:
+                token = logits.argmax(dim=-1)  # (B,)
+            else:
+                q_k = warp_probs(logits, temperature, top_k, top_p)  # (B, V)
+                token = sample_tokens(q_k, generator)
+                probs.append(q_k)
+            tokens.append(token)
+            if k < self.num_draft_tokens:
+                logits = self._forward(token.unsqueeze(1), (anchor_position_ids + k).unsqueeze(1), ones)
+                self._num_fed += 1
+        return torch.stack(tokens, dim=1), (None if greedy else torch.stack(probs, dim=1))
+
+
+def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """A copy of a Hugging Face causal LM keeping only its first ``num_layers`` decoder layers.
+
+    Embeddings, final norm and LM head are copied too, so the copy is a cheap early-exit assistant
+    that agrees with the full model more often than an unrelated model would.
+    """
+    import copy
+
+    config = copy.deepcopy(model.config)
+    total = config.num_hidden_layers
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be in 1..{total} (the model's layer count), got {num_layers}")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:num_layers]
+    weight = next(model.parameters())
+    small = type(model)(config).to(device=weight.device, dtype=weight.dtype)
+    missing, _ = small.load_state_dict(model.state_dict(), strict=False)
+    if missing:
+        raise ValueError(f"truncated copy could not be filled from the model; missing weights: {missing[:5]}")
+    return small.eval()

@@ -1,0 +1,285 @@
+"""Regenerated training data for block drafters: storage, anchor sampling, batching, the DataModule.
+
+Storage (written by ``python -m experiments.regenerate``, read here). A *data dir* holds
+
+* ``shards/shard-00000/``, ``shard-00001/``, ...: ``datasets`` ``save_to_disk`` folders with columns
+  ``id`` (str), ``domain`` (str), ``input_ids`` (list of int: prompt + the target's response) and
+  ``prompt_len`` (int: the first ``prompt_len`` ids are the rendered prompt). A shard is written to a
+  temporary folder and renamed into place, so a killed job leaves only whole shards;
+* ``regen.json``: the settings, the target's fingerprint and, once done, ``"complete": true``.
+
+Validation split: a stable fraction of the rows held out by a hash of their id
+(:func:`split_by_id`), so it never changes between runs that share a data dir.
+
+Anchors (:func:`sample_anchors`): blocks start at random columns of the response region; column
+``a`` is an anchor when ``prompt_len - 1 <= a <= length - 2``, so slot 1 of its block predicts
+column ``a + 1``, a response token.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+SHARDS = "shards"
+META = "regen.json"
+COLUMNS = ("id", "domain", "input_ids", "prompt_len")
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+def shard_dirs(data_dir: str | Path) -> list[Path]:
+    """Finished shards of a data dir, in order (temporary folders of a killed job are ignored)."""
+    root = Path(data_dir).expanduser() / SHARDS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("shard-"))
+
+
+def write_shard(rows: Sequence[dict], data_dir: str | Path) -> Path:
+    """Save ``rows`` (dicts with :data:`COLUMNS`) as the next shard, atomically; returns its folder."""
+    from datasets import Dataset as HFDataset
+    from datasets import Features, Value
+    from datasets import Sequence as HFSequence
+
+    missing = [c for c in COLUMNS if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"shard rows lack columns {missing}; expected {list(COLUMNS)}")
+    root = Path(data_dir).expanduser() / SHARDS
+    root.mkdir(parents=True, exist_ok=True)
+    existing = shard_dirs(data_dir)
+    index = int(existing[-1].name.split("-")[1]) + 1 if existing else 0
+    final, tmp = root / f"shard-{index:05d}", root / f".tmp-shard-{index:05d}-{os.getpid()}"
+    features = Features({"id": Value("string"), "domain": Value("string"),
+                         "input_ids": HFSequence(Value("int32")), "prompt_len": Value("int32")})
+    columns = {c: [r[c] for r in rows] for c in COLUMNS}
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    HFDataset.from_dict(columns, features=features).save_to_disk(str(tmp))
+    os.replace(tmp, final)
+    return final
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    """``regen.json`` of a data dir ({} if absent)."""
+    path = Path(data_dir).expanduser() / META
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_meta(data_dir: str | Path, meta: dict) -> None:
+    path = Path(data_dir).expanduser() / META
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def load_regenerated(data_dir: str | Path, warn_incomplete: bool = True):
+    """All shards of a data dir as one ``datasets.Dataset``; a clear error if there are none."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    data_dir = Path(data_dir).expanduser()
+    shards = shard_dirs(data_dir)
+    if not shards:
+        raise FileNotFoundError(
+            f"regenerated dataset at {data_dir} is empty (no shards): run `python -m experiments.regenerate` "
+            "with the same target and data settings first"
+        )
+    data = concatenate_datasets([load_from_disk(str(s)) for s in shards])
+    missing = [c for c in COLUMNS if c not in data.column_names]
+    if missing:
+        raise ValueError(f"regenerated dataset at {data_dir} lacks columns {missing}; has {data.column_names}")
+    if len(data) == 0:
+        raise ValueError(f"regenerated dataset at {data_dir} has no rows")
+    if warn_incomplete and not read_meta(data_dir).get("complete"):
+        warnings.warn(f"regenerated dataset at {data_dir} is incomplete (regeneration did not finish); "
+                      f"using its {len(data)} rows", stacklevel=2)
+    return data
+
+
+def finished_ids(data_dir: str | Path) -> set[str]:
+    """Ids already regenerated (for resuming a killed job)."""
+    from datasets import load_from_disk
+
+    return {i for s in shard_dirs(data_dir) for i in load_from_disk(str(s))["id"]}
+
+
+def id_hash(row_id: str) -> float:
+    """A stable number in [0, 1) from an id (sha1)."""
+    return int(hashlib.sha1(row_id.encode()).hexdigest()[:12], 16) / float(1 << 48)
+
+
+def split_by_id(ids: Sequence[str], fraction: float) -> tuple[list[int], list[int]]:
+    """Row indices ``(train, val)``: a row is held out when ``id_hash(id) < fraction``.
+
+    With ``fraction > 0`` and at least two rows, validation gets at least the row of smallest hash.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in [0, 1), got {fraction}")
+    hashes = [id_hash(i) for i in ids]
+    val = [i for i, h in enumerate(hashes) if h < fraction]
+    if fraction > 0 and not val and len(ids) >= 2:
+        val = [min(range(len(ids)), key=hashes.__getitem__)]
+    held = set(val)
+    return [i for i in range(len(ids)) if i not in held], val
+
+
+# ----------------------------------------------------------------------------- anchors and batches
+
+
+def sample_anchors(
+    prompt_len: torch.Tensor,  # (B,) long, prompt tokens per row (>= 1)
+    length: torch.Tensor,  # (B,) long, real tokens per row (prompt + response)
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random block anchors in each row's response region, without replacement.
+
+    Candidates of row b are the columns ``prompt_len[b] - 1 .. length[b] - 2``. Each row gets
+    ``min(num_anchors, #candidates)`` distinct anchors drawn uniformly, sorted ascending and
+    followed by padding; the width is ``A = min(num_anchors, max_b #candidates)``.
+    Returns ``anchors (B, A) long`` (0 at padding) and ``anchor_mask (B, A) bool`` (False = padding).
+    Deterministic given ``generator`` (drawn on the CPU, moved to ``length``'s device).
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if (prompt_len < 1).any():
+        raise ValueError("every row needs a prompt of at least one token (prompt_len >= 1)")
+    device = length.device
+    lo, hi = (prompt_len - 1).cpu(), (length - 2).cpu()  # (B,)
+    width = max(int(length.max()), 1)
+    cols = torch.arange(width)  # (S,)
+    cand = (cols >= lo.unsqueeze(1)) & (cols <= hi.unsqueeze(1))  # (B, S)
+    count = cand.sum(1)  # (B,)
+    num = min(num_anchors, int(count.max()))
+    scores = torch.rand(cand.shape, generator=generator)  # (B, S) in [0, 1)
+    scores = scores.masked_fill(~cand, -1.0)  # candidates always rank first
+    picked = scores.topk(num, dim=1).indices  # (B, A), candidates first
+    anchor_mask = torch.arange(num).unsqueeze(0) < count.unsqueeze(1)  # (B, A)
+    anchors = picked.masked_fill(~anchor_mask, width).sort(dim=1).values.masked_fill(~anchor_mask, 0)
+    return anchors.to(device), anchor_mask.to(device)
+
+
+def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad rows ``{"input_ids": list[int], "prompt_len": int}`` into a batch.
+
+    Returns ``input_ids (B, S) long`` (padding = ``pad_token_id``), ``attention_mask (B, S) long``,
+    ``prompt_len (B,) long`` and ``length (B,) long``.
+    """
+    if not rows:
+        raise ValueError("cannot collate an empty batch")
+    lengths = [len(r["input_ids"]) for r in rows]
+    width = max(lengths)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (r, n) in enumerate(zip(rows, lengths)):
+        input_ids[b, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        attention_mask[b, :n] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "prompt_len": torch.tensor([int(r["prompt_len"]) for r in rows], dtype=torch.long),
+        "length": torch.tensor(lengths, dtype=torch.long),
+    }
+
+
+class RegenDataset(Dataset):
+    """Rows of a regenerated dataset, cut to ``max_length`` tokens (rows left without a response
+    token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int}``."""
+
+    def __init__(self, data, indices: Sequence[int] | None = None, max_length: int | None = None):
+        import pyarrow.compute as pc
+
+        indices = range(len(data)) if indices is None else indices
+        prompt_lens = data.data.column("prompt_len").to_pylist()
+        lengths = pc.list_value_length(data.data.column("input_ids")).to_pylist()
+        limit = max_length if max_length is not None else max(lengths, default=0)
+        keep = [i for i in indices if min(lengths[i], limit) > prompt_lens[i] >= 1]
+        self.data, self.indices, self.max_length = data, keep, max_length
+        self.num_dropped = len(indices) - len(keep)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.data[self.indices[i]]
+        ids = row["input_ids"] if self.max_length is None else row["input_ids"][: self.max_length]
+        return {"input_ids": ids, "prompt_len": int(row["prompt_len"])}
+
+
+class RegenDataModule(L.LightningDataModule):
+    """Train/validation loaders over a regenerated data dir (see the module docstring).
+
+    Args:
+        data_dir: folder written by ``experiments.regenerate``.
+        batch_size / val_batch_size: sequences per batch (val defaults to batch_size).
+        max_length: tokens kept per sequence (prompt + response), from the left.
+        val_fraction: share of ids held out for validation (stable hash of the id).
+        max_val_samples: cap on validation sequences (the first ones by id hash), None = all.
+        num_workers, seed: DataLoader workers and the shuffling seed.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        max_length: int | None = 512,
+        val_fraction: float = 0.05,
+        max_val_samples: int | None = 64,
+        num_workers: int = 0,
+        seed: int = 0,
+        pad_token_id: int = 0,
+    ):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_length is not None and max_length < 2:
+            raise ValueError(f"max_length must be >= 2 (a prompt token and a response token), got {max_length}")
+        self.data_dir = Path(data_dir).expanduser()
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.max_length, self.val_fraction, self.max_val_samples = max_length, val_fraction, max_val_samples
+        self.num_workers, self.seed, self.pad_token_id = num_workers, seed, pad_token_id
+        self.train_set: RegenDataset | None = None
+        self.val_set: RegenDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        data = load_regenerated(self.data_dir)
+        ids = data.data.column("id").to_pylist()
+        train_idx, val_idx = split_by_id(ids, self.val_fraction)
+        if self.max_val_samples is not None:
+            val_idx = sorted(sorted(val_idx, key=lambda i: id_hash(ids[i]))[: self.max_val_samples])
+        self.train_set = RegenDataset(data, train_idx, self.max_length)
+        self.val_set = RegenDataset(data, val_idx, self.max_length)
+        if len(self.train_set) == 0:
+            raise ValueError(
+                f"regenerated dataset at {self.data_dir}: no training rows left ({len(data)} rows, "
+                f"val_fraction={self.val_fraction}, max_length={self.max_length})"
+            )
+
+    def _loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=self.num_workers,
+            collate_fn=functools.partial(collate, pad_token_id=self.pad_token_id), drop_last=False,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.val_batch_size, shuffle=False)

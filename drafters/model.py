@@ -1,0 +1,627 @@
+"""BlockDiffusionDrafter: a DFlash-style block drafter attached to a frozen Hugging Face causal LM.
+
+Shapes: Bt = batch rows, S = context columns, A = blocks (anchors) per row, B = block size,
+K = B - 1 drafted tokens per block, H = hidden size (equal to the target's), V = vocabulary,
+L = number of selected target layers.
+
+One block is ``[anchor, MASK x K]`` at the target's absolute positions ``p..p+K`` of the anchor and
+the K tokens after it. The drafter never sees the context tokens directly: it sees the target's
+hidden states of every column strictly before the anchor, through
+
+    context = RMSNorm(Linear_noBias(concat(h_l for l in target_layer_ids)))        # (Bt, S, H)
+
+which every drafter layer projects with its own k/v projections into extra keys/values (the block
+slots use the same projections for their own keys/values). Queries come from block slots only,
+attention inside a block is bidirectional, and blocks never see each other. The target's input
+embedding and LM head are used frozen and are never part of the drafter's state dict.
+
+Training (:meth:`BlockDiffusionDrafter.forward_train`) and inference (:meth:`reset` /
+:meth:`extend` / :meth:`draft` of the protocol in :mod:`verify.drafter`) go through the same two
+functions: :meth:`context_kv` (per-layer keys/values of context columns) and :meth:`block_logits`
+(the layers over the block slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drafters.attention import build_block_attention_mask
+from verify.rejection import sample_tokens, warp_probs
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+MAX_DEFAULT_TARGET_LAYERS = 5
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class DrafterConfig:
+    """Everything needed to rebuild a drafter; saved as ``config.json`` next to the weights."""
+
+    block_size: int  # B: anchor slot + K = B - 1 drafted slots
+    num_layers: int
+    hidden_size: int  # must equal the target's hidden size (shared embedding and LM head)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]  # indices into the target's hidden_states tuple (0 = embeddings)
+    target_fingerprint: dict[str, Any] = field(default_factory=dict)  # FINGERPRINT_KEYS of the target
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        missing = [k for k in FINGERPRINT_KEYS if k not in self.target_fingerprint]
+        if missing:
+            raise ValueError(f"target_fingerprint lacks {missing}; expected keys {list(FINGERPRINT_KEYS)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.vocab_size != self.target_fingerprint["vocab_size"]:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} != target vocab_size {self.target_fingerprint['vocab_size']}"
+            )
+        if self.hidden_size != self.target_fingerprint["hidden_size"]:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must equal the target's hidden size "
+                f"{self.target_fingerprint['hidden_size']} (the drafter shares its embedding and LM head)"
+            )
+        num_states = self.target_fingerprint["num_hidden_layers"] + 1
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must list at least one target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < num_states]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} out of range: the target has {num_states} hidden states "
+                f"(0 = embeddings .. {num_states - 1} = last layer)"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.block_size - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig keys {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+
+def target_fingerprint(target_config: Any) -> dict[str, Any]:
+    """The fields of a target's config that a trained drafter depends on."""
+    sizes = _target_sizes(target_config)
+    return {
+        "model_type": getattr(target_config, "model_type", None) or type(target_config).__name__,
+        "vocab_size": sizes["vocab_size"],
+        "hidden_size": sizes["hidden_size"],
+        "num_hidden_layers": sizes["num_hidden_layers"],
+    }
+
+
+def default_target_layer_ids(
+    num_hidden_layers: int, max_layers: int = MAX_DEFAULT_TARGET_LAYERS
+) -> tuple[int, ...]:
+    """Up to ``max_layers`` indices into the hidden_states tuple spread evenly over layers 1..L."""
+    n = max(1, min(max_layers, num_hidden_layers))
+    if n == 1:
+        return (num_hidden_layers,)
+    step = (num_hidden_layers - 1) / (n - 1)
+    return tuple(sorted({round(1 + i * step) for i in range(n)}))
+
+
+def _first_attr(config: Any, names: Sequence[str], default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _rope_theta(config: Any) -> float:
+    """The target's RoPE base (transformers 5 keeps it in ``rope_parameters``), 10000 if it has none."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+        for sub in params.values():  # per-layer-type parameters, e.g. {"full_attention": {...}}
+            if isinstance(sub, dict) and "rope_theta" in sub:
+                return float(sub["rope_theta"])
+    return float(_first_attr(config, ["rope_theta"], 10000.0))
+
+
+def _target_sizes(config: Any) -> dict[str, Any]:
+    """Sizes read from a HF config (Llama/Qwen names, or GPT-2's n_embd / n_layer / n_head)."""
+    if hasattr(config, "get_text_config"):  # multimodal configs nest the language model's config
+        config = config.get_text_config()
+    hidden = _first_attr(config, ["hidden_size", "n_embd", "d_model"])
+    layers = _first_attr(config, ["num_hidden_layers", "n_layer"])
+    heads = _first_attr(config, ["num_attention_heads", "n_head"])
+    vocab = _first_attr(config, ["vocab_size"])
+    missing = [n for n, v in [("hidden_size", hidden), ("num_hidden_layers", layers),
+                              ("num_attention_heads", heads), ("vocab_size", vocab)] if v is None]
+    if missing:
+        raise ValueError(f"target config {type(config).__name__} lacks {missing}")
+    kv_heads = _first_attr(config, ["num_key_value_heads"], heads)
+    head_dim = _first_attr(config, ["head_dim"], hidden // heads)
+    return {
+        "hidden_size": int(hidden),
+        "num_hidden_layers": int(layers),
+        "num_heads": int(heads),
+        "num_kv_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "intermediate_size": int(_first_attr(config, ["intermediate_size", "n_inner"], 4 * hidden)),
+        "rms_norm_eps": float(_first_attr(config, ["rms_norm_eps", "layer_norm_epsilon"], 1e-6)),
+        "rope_theta": _rope_theta(config),
+        "vocab_size": int(vocab),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., H)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape (Bt, N, head_dim) for absolute positions (Bt, N) (half-split layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # (Bt, N, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (Bt, N, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (Bt, h, N, d) by cos/sin (Bt, N, d)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class DrafterAttention(nn.Module):
+    """Block queries attend to [context keys/values, block keys/values] under a boolean mask."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated keys and values (Bt, h_kv, N, d) of x (Bt, N, H) at the positions of cos/sin."""
+        k = apply_rope(self._heads(self.k_proj(x), self.num_kv_heads), cos, sin)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return k, v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        # x (Bt, N, H) normalised block states; ctx_k/ctx_v (Bt, h_kv, S, d); mask (Bt, 1, N, S + N)
+        q = apply_rope(self._heads(self.q_proj(x), self.num_heads), cos, sin)  # (Bt, h, N, d)
+        k, v = self.key_value(x, cos, sin)  # (Bt, h_kv, N, d)
+        k = torch.cat([ctx_k, k], dim=2)  # (Bt, h_kv, S + N, d)
+        v = torch.cat([ctx_v, v], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
+        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N, h*d)
+        return self.o_proj(out)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm Llama layer whose attention also reads the context keys/values."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DrafterAttention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # x (Bt, N, H) -> (Bt, N, H)
+        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# The drafter
+
+
+class BlockDiffusionDrafter(nn.Module):
+    """DFlash-style block drafter; implements the :class:`verify.drafter.Drafter` protocol."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fuse = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.fuse_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        # The frozen target, kept outside the module tree: not in state_dict(), parameters() or .to().
+        object.__setattr__(self, "_target", None)
+        # Inference cache: per layer (k, v) of shape (B, h_kv, C, d), and the column mask (B, C).
+        self._cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._cache_mask: torch.Tensor | None = None
+
+    # ---- protocol attributes --------------------------------------------------------------------
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.config.block_size - 1
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # ---- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_target(
+        cls,
+        target: nn.Module,
+        *,
+        block_size: int = 16,
+        num_layers: int = 1,
+        target_layer_ids: Sequence[int] | None = None,
+        mask_token_id: int | None = None,
+        **overrides: Any,
+    ) -> BlockDiffusionDrafter:
+        """A freshly initialised drafter sized from ``target.config`` and attached to ``target``.
+
+        ``overrides`` set other :class:`DrafterConfig` fields (num_heads, intermediate_size, ...);
+        a ``None`` value keeps the value read from the target.
+        """
+        tcfg = getattr(target, "config", None)
+        if tcfg is None:
+            raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
+        sizes = _target_sizes(tcfg)
+        fingerprint = target_fingerprint(tcfg)
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(sizes["num_hidden_layers"])
+        if mask_token_id is None:
+            mask_token_id = _first_attr(tcfg, ["mask_token_id"], sizes["vocab_size"] - 1)
+        fields = {k: v for k, v in sizes.items() if k != "num_hidden_layers"}
+        fields.update(block_size=block_size, num_layers=num_layers, target_layer_ids=tuple(target_layer_ids),
+                      mask_token_id=int(mask_token_id), target_fingerprint=fingerprint)
+        allowed = {f.name for f in dataclasses.fields(DrafterConfig)} - {"target_fingerprint"}
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ValueError(f"unknown drafter overrides {unknown}; allowed: {sorted(allowed)}")
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        drafter = cls(DrafterConfig(**fields))
+        drafter.attach_target(target)
+        return drafter
+
+    def attach_target(self, target: nn.Module) -> BlockDiffusionDrafter:
+        """Use ``target``'s input embedding and LM head (frozen in place); checks it fits the drafter."""
+        tcfg = getattr(target, "config", None)
+        if tcfg is None:
+            raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
+        theirs, ours = target_fingerprint(tcfg), self.config.target_fingerprint
+        diffs = [f"{k}: drafter was built for {ours.get(k)!r}, target has {theirs[k]!r}"
+                 for k in FINGERPRINT_KEYS if ours.get(k) != theirs[k]]
+        if diffs:
+            raise ValueError("target does not match the drafter's target fingerprint: " + "; ".join(diffs))
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError(f"target {type(target).__name__} lacks an input embedding or an LM head")
+        if embed.weight.shape[1] != self.config.hidden_size or head.weight.shape[0] != self.config.vocab_size:
+            raise ValueError(
+                f"target embedding {tuple(embed.weight.shape)} / LM head {tuple(head.weight.shape)} do not "
+                f"fit hidden_size {self.config.hidden_size} and vocab_size {self.config.vocab_size}"
+            )
+        self._check_target_outputs(target)
+        embed.requires_grad_(False)
+        head.requires_grad_(False)
+        object.__setattr__(self, "_target", target)
+        return self
+
+    @staticmethod
+    def _probe_ids(target: nn.Module) -> torch.Tensor:
+        param = next(target.parameters(), None)
+        return torch.zeros(1, 1, dtype=torch.long, device=param.device if param is not None else "cpu")
+
+    def _check_target_outputs(self, target: nn.Module) -> None:
+        """Run the target on one token and check it returns enough hidden states of the right width."""
+        with torch.no_grad():
+            out = target(input_ids=self._probe_ids(target), output_hidden_states=True, use_cache=False)
+        states = getattr(out, "hidden_states", None)
+        if states is None:
+            raise ValueError(
+                f"target {type(target).__name__} returned no hidden_states for output_hidden_states=True; "
+                "the drafter needs the target's per-layer hidden states"
+            )
+        bad = [i for i in self.config.target_layer_ids if not 0 <= i < len(states)]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for {len(states)} target hidden states")
+        widths = {states[i].shape[-1] for i in self.config.target_layer_ids}
+        if widths != {self.config.hidden_size}:
+            raise ValueError(f"target hidden states have widths {widths}, expected {self.config.hidden_size}")
+
+    @property
+    def target(self) -> nn.Module:
+        if self._target is None:
+            raise RuntimeError("no target attached: call drafter.attach_target(target) first")
+        return self._target
+
+    # ---- saving ---------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``model.safetensors`` (drafter weights only) and ``config.json`` (the DrafterConfig)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME))
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None) -> BlockDiffusionDrafter:
+        """Load a saved drafter; with ``target``, attach it (refused if its fingerprint differs)."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"drafter directory {directory} does not exist")
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"drafter directory {directory} has no {name}")
+        config = DrafterConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
+        drafter = cls(config)
+        drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
+        if target is not None:
+            drafter.attach_target(target)
+        return drafter
+
+    # ---- the core forward (shared by training and inference) -------------------------------------
+
+    def fuse_context(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Context features (Bt, S, H) from the selected target hidden states, L x (Bt, S, H)."""
+        x = torch.cat([s.to(self.fuse.weight.dtype) for s in states], dim=-1)  # (Bt, S, L*H)
+        return self.fuse_norm(self.fuse(x))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor):
+        """Per-layer rotated keys/values, num_layers x ((Bt, h_kv, S, d), (Bt, h_kv, S, d)).
+
+        Context features do not change across drafter layers, so these depend only on the columns
+        themselves: inference computes them once per column and caches them.
+        """
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, context.dtype)
+        return [layer.attn.key_value(context, cos, sin) for layer in self.layers]
+
+    def block_logits(self, anchor_ids, anchor_positions, kv, mask) -> torch.Tensor:
+        """Logits (Bt, A, K, V) of blocks ``[anchor, MASK x K]``.
+
+        anchor_ids, anchor_positions: (Bt, A) long; kv: from :meth:`context_kv` over S columns;
+        mask: (Bt, 1, A*B, S + A*B) bool from :func:`build_block_attention_mask`.
+        """
+        target, cfg = self.target, self.config
+        bt, num_blocks = anchor_ids.shape
+        bs = cfg.block_size
+        ids = anchor_ids.new_full((bt, num_blocks, bs), cfg.mask_token_id)  # (Bt, A, B)
+        ids[:, :, 0] = anchor_ids
+        x = target.get_input_embeddings()(ids.view(bt, num_blocks * bs)).to(self.fuse.weight.dtype)
+        offsets = torch.arange(bs, device=anchor_positions.device)
+        positions = (anchor_positions.unsqueeze(-1) + offsets).view(bt, num_blocks * bs)  # (Bt, A*B)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)  # (Bt, A*B, H)
+        x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, 1:]  # (Bt, A, K, H): slots 1..K
+        head = target.get_output_embeddings()
+        return head(x.to(head.weight.dtype)).float()  # (Bt, A, K, V)
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def select_hidden_states(self, hidden_states: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Pick ``target_layer_ids`` from the full HF ``hidden_states`` tuple."""
+        if hidden_states is None:
+            raise ValueError("hidden_states is None: run the target with output_hidden_states=True")
+        n = len(hidden_states)
+        bad = [i for i in self.target_layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for a hidden_states tuple of length {n}")
+        return [hidden_states[i] for i in self.target_layer_ids]
+
+    def forward_train(
+        self,
+        hidden_states: Sequence[torch.Tensor],  # full HF tuple, each (Bt, S, H)
+        input_ids: torch.Tensor,  # (Bt, S) long
+        position_ids: torch.Tensor | None,  # (Bt, S) long; None = cumsum(context_mask) - 1
+        anchors: torch.Tensor,  # (Bt, A) long column indices
+        anchor_mask: torch.Tensor | None = None,  # (Bt, A) bool, False = padding anchor
+        context_mask: torch.Tensor | None = None,  # (Bt, S) bool/long, False = padding column
+    ) -> torch.Tensor:
+        """Teacher-forced logits (Bt, A, K, V); block a's slot k predicts ``input_ids[:, anchors[a] + k]``."""
+        states = self.select_hidden_states(hidden_states)
+        bt, seq = input_ids.shape
+        if anchors.dim() != 2 or anchors.shape[0] != bt:
+            raise ValueError(f"anchors must be (Bt={bt}, A), got {tuple(anchors.shape)}")
+        if any(tuple(s.shape[:2]) != (bt, seq) for s in states):
+            shapes = [tuple(s.shape) for s in states]
+            raise ValueError(f"hidden states {shapes} do not match input_ids {(bt, seq)}")
+        if context_mask is not None:
+            context_mask = context_mask.bool()
+        if position_ids is None:
+            m = context_mask.long() if context_mask is not None else torch.ones_like(input_ids)
+            position_ids = (m.cumsum(-1) - 1).clamp(min=0)
+        context = self.fuse_context(states)  # (Bt, S, H)
+        kv = self.context_kv(context, position_ids)
+        cols = anchors.clamp(0, seq - 1)  # padding anchors may hold any index
+        mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask)
+        return self.block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Same as :meth:`forward_train` (so hooks, wrappers and ``torch.compile`` see a forward)."""
+        return self.forward_train(*args, **kwargs)
+
+    def block_labels(self, input_ids, anchors, anchor_mask=None, valid_mask=None):
+        """Labels and label mask (Bt, A, K) for :meth:`forward_train`'s logits.
+
+        Slot k of block a is labelled ``input_ids[:, anchors[a] + k]``; it is valid iff the anchor is
+        valid and a real token, and every column anchors[a]+1 .. anchors[a]+k is inside the sequence
+        and a real token (``valid_mask``). Invalid labels are 0 (a safe index), masked out.
+        """
+        bt, seq = input_ids.shape
+        k = torch.arange(1, self.config.block_size, device=input_ids.device)
+        if valid_mask is None:
+            valid_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if anchor_mask is None:
+            anchor_mask = torch.ones_like(anchors, dtype=torch.bool)
+        valid_mask = valid_mask.bool()
+        idx = anchors.unsqueeze(-1) + k  # (Bt, A, K)
+        inside = (idx >= 0) & (idx < seq)
+        flat = idx.clamp(0, seq - 1).view(bt, -1)  # (Bt, A*K)
+        labels = input_ids.gather(1, flat).view_as(idx)
+        anchor_ok = anchor_mask.bool() & valid_mask.gather(1, anchors.clamp(0, seq - 1))  # (Bt, A)
+        ok = inside & valid_mask.gather(1, flat).view_as(idx) & anchor_ok.unsqueeze(-1)
+        ok = ok.long().cumprod(-1).bool()  # a hole ends the block's labels
+        return labels.masked_fill(~ok, 0), ok
+
+    # ---- inference (the verify.drafter.Drafter protocol) -----------------------------------------
+    # The cache holds, per drafter layer, the rotated keys/values of every column appended so far
+    # (holes included, masked out by _cache_mask). Context features are the same in every layer, so
+    # these never need recomputing: a draft step only runs the B block slots.
+
+    def reset(self, batch_size: int) -> None:
+        cfg, w = self.config, self.fuse.weight
+        empty = w.new_zeros(batch_size, cfg.num_kv_heads, 0, cfg.head_dim)
+        self._cache_kv = [(empty, empty) for _ in self.layers]
+        self._cache_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=w.device)
+
+    def _require_cache(self) -> None:
+        if self._cache_kv is None or self._cache_mask is None:
+            raise RuntimeError("drafter cache is empty: call reset(batch_size) before extend/draft")
+
+    @torch.no_grad()
+    def extend(self, input_ids, attention_mask, position_ids, hidden_states) -> None:
+        """Append n columns: input_ids/attention_mask/position_ids (B, n); hidden_states L x (B, n, H)."""
+        self._require_cache()
+        rows, n = attention_mask.shape
+        if rows != self._cache_mask.shape[0]:
+            raise ValueError(f"extend got {rows} rows, the cache holds {self._cache_mask.shape[0]}")
+        if hidden_states is None or len(hidden_states) != len(self.target_layer_ids):
+            got = None if hidden_states is None else len(hidden_states)
+            raise ValueError(
+                f"extend needs {len(self.target_layer_ids)} hidden states (target_layer_ids "
+                f"{self.target_layer_ids}), got {got}"
+            )
+        if any(tuple(s.shape[:2]) != (rows, n) for s in hidden_states):
+            shapes = [tuple(s.shape) for s in hidden_states]
+            raise ValueError(f"hidden states {shapes} do not match the new columns {(rows, n)}")
+        if n == 0:
+            return
+        kv = self.context_kv(self.fuse_context(hidden_states), position_ids)
+        self._cache_kv = [(torch.cat([ck, k], 2), torch.cat([cv, v], 2))
+                          for (ck, cv), (k, v) in zip(self._cache_kv, kv)]
+        self._cache_mask = torch.cat([self._cache_mask, attention_mask.bool()], dim=1)
+
+    @torch.no_grad()
+    def draft_logits(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, K, V) of one block per row, seeing every committed cached column."""
+        self._require_cache()
+        rows, cols = self._cache_mask.shape
+        anchors = torch.full((rows, 1), cols, dtype=torch.long, device=self._cache_mask.device)
+        mask = build_block_attention_mask(anchors, self.config.block_size, cols, self._cache_mask)
+        logits = self.block_logits(anchor_ids.reshape(rows, 1), anchor_position_ids.reshape(rows, 1),
+                                   self._cache_kv, mask)
+        return logits[:, 0]  # (B, K, V)
+
+    @torch.no_grad()
+    def draft(
+        self,
+        anchor_ids: torch.Tensor,  # (B,) long
+        anchor_position_ids: torch.Tensor,  # (B,) long
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, K) and, when sampling, q (B, K, V) float32.
+
+        Slots of a block are conditionally independent given the context (one forward pass, no
+        feedback between slots), so sampling each slot from its own warped distribution makes
+        ``tokens[:, k]`` a draw from ``q[:, k]`` given the drafts before it, as the verifier needs.
+        """
+        logits = self.draft_logits(anchor_ids, anchor_position_ids)  # (B, K, V)
+        if temperature == 0:
+            return logits.argmax(-1), None
+        q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, K, V) float32
+        return sample_tokens(q, generator), q  # (B, K): slot k drawn from q[:, k]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._require_cache()
+        self._cache_kv = [(k[rows], v[rows]) for k, v in self._cache_kv]
+        self._cache_mask = self._cache_mask[rows]
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"block_size={c.block_size}, target_layer_ids={c.target_layer_ids}, "
+                f"mask_token_id={c.mask_token_id}, params={sum(p.numel() for p in self.parameters()):,}")
+
+
+__all__ = ["BlockDiffusionDrafter", "DrafterConfig", "default_target_layer_ids", "target_fingerprint"]

@@ -1,0 +1,199 @@
+"""Benchmark of the verifier: this speculative decoder vs transformers' assisted generation.
+
+Same target, same autoregressive assistant (a truncated copy of the target: its first layers), same
+prompts, K fixed on both sides, greedy decoding. Reports whether the outputs are identical, tokens/s
+at batch 1 against ``target.generate(assistant_model=...)`` (which only supports batch 1), this
+verifier's throughput at several batch sizes, and its speedup over target-only decoding with the
+same KV-cache code (:func:`verify.target_generate`).
+
+The default target is a random Llama built from config. To make a truncated copy a meaningful
+assistant, the residual branches of the layers it lacks are scaled by ``--deep-scale`` (their
+output projections), so the deep layers perturb rather than rewrite the early layers' prediction.
+``--target PATH`` loads a real model instead (no scaling).
+
+    python -m experiments.bench_verify --out runs/bench_verify.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from verify import AssistantDrafter, speculative_generate, target_generate, truncated_copy
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=None, help="local Hugging Face model folder (default: random Llama)")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--init-range", type=float, default=0.05)
+    parser.add_argument("--deep-scale", type=float, default=0.1,
+                        help="scale of the output projections of the layers the assistant lacks")
+    parser.add_argument("--assistant-layers", type=int, default=1)
+    parser.add_argument("--K", type=int, default=4, help="draft tokens per step, on both sides")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt; lengths vary down to half")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the fastest counts")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench_verify.json")
+    return parser.parse_args(argv)
+
+
+def build_models(args):
+    """(target, assistant): the target in eval mode, the assistant its first ``assistant_layers`` layers."""
+    if args.target is not None:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=int(2.6875 * args.hidden_size),
+            num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+            num_key_value_heads=args.num_heads, max_position_embeddings=args.prompt_len + args.max_new_tokens + 64,
+            initializer_range=args.init_range, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+        torch.manual_seed(args.seed)
+        target = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for layer in target.model.layers[args.assistant_layers :]:
+                layer.self_attn.o_proj.weight.mul_(args.deep_scale)
+                layer.mlp.down_proj.weight.mul_(args.deep_scale)
+    target.requires_grad_(False)
+    target.generation_config.eos_token_id = None  # fixed-length outputs on both sides
+    assistant = truncated_copy(target, args.assistant_layers).requires_grad_(False)
+    assistant.generation_config.num_assistant_tokens = args.K
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return target, assistant
+
+
+def make_prompts(args, vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (args.num_prompts,), generator=generator)
+    return [torch.randint(3, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def timed(fn, repeats: int):
+    """Run ``fn`` once to warm up, then ``repeats`` times; return (last result, fastest seconds)."""
+    result = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, assistant = build_models(args)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    prompts = make_prompts(args, vocab_size)
+    K, new = args.K, args.max_new_tokens
+    drafter = AssistantDrafter(assistant, K)
+    pad_id = 0
+
+    def hf_assisted():
+        return [
+            target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, assistant_model=assistant,
+                            pad_token_id=pad_id)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+    def hf_greedy():
+        return [
+            target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, pad_token_id=pad_id)[
+                0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+    def ours(batch_size):
+        def run():
+            outs = []
+            for start in range(0, len(prompts), batch_size):
+                ids, mask = left_pad(prompts[start : start + batch_size], pad_id)
+                outs.append(speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=new))
+            return outs
+        return run
+
+    def target_only(batch_size):
+        def run():
+            outs = []
+            for start in range(0, len(prompts), batch_size):
+                ids, mask = left_pad(prompts[start : start + batch_size], pad_id)
+                outs.append(target_generate(target, ids, attention_mask=mask, max_new_tokens=new))
+            return outs
+        return run
+
+    total_new = len(prompts) * new
+    hf_assisted_tokens, hf_assisted_time = timed(hf_assisted, args.repeats)
+    hf_greedy_tokens, hf_greedy_time = timed(hf_greedy, args.repeats)
+    results = {"batch": {}}
+    reference = None
+    for batch_size in args.batch_sizes:
+        spec_outs, spec_time = timed(ours(batch_size), args.repeats)
+        target_outs, target_time = timed(target_only(batch_size), args.repeats)
+        spec_tokens = [t for out in spec_outs for t in out.new_tokens]
+        target_tokens = [t for out in target_outs for t in out.new_tokens]
+        counts = [c for out in spec_outs for c in out.accepted_counts]
+        steps = sum(out.num_target_forwards for out in spec_outs)
+        if reference is None:
+            reference = spec_tokens
+        results["batch"][str(batch_size)] = {
+            "spec_tokens_per_s": total_new / spec_time,
+            "target_tokens_per_s": total_new / target_time,
+            "speedup_vs_target_generate": target_time / spec_time,
+            "spec_seconds": spec_time,
+            "target_seconds": target_time,
+            "tau": total_new / steps,
+            "accept_hist": [sum(1 for row in counts for c in row if c == k) for k in range(K + 1)],
+            "identical_to_target_generate": sum(a == b for a, b in zip(spec_tokens, target_tokens)),
+            "identical_to_hf_greedy": sum(a == b for a, b in zip(spec_tokens, hf_greedy_tokens)),
+            "identical_to_batch_1": sum(a == b for a, b in zip(spec_tokens, reference)),
+        }
+    first = results["batch"][str(args.batch_sizes[0])]
+    results.update({
+        "config": vars(args),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "assistant_params": sum(p.numel() for p in assistant.parameters()),
+        "num_prompts": len(prompts),
+        "new_tokens": total_new,
+        "hf_assisted_tokens_per_s": total_new / hf_assisted_time,
+        "hf_greedy_tokens_per_s": total_new / hf_greedy_time,
+        "identical_to_hf_assisted": sum(a == b for a, b in zip(reference, hf_assisted_tokens)),
+        "hf_assisted_identical_to_hf_greedy": sum(a == b for a, b in zip(hf_assisted_tokens, hf_greedy_tokens)),
+        f"ratio_vs_hf_assisted_at_batch_{args.batch_sizes[0]}": first["spec_tokens_per_s"]
+        / (total_new / hf_assisted_time),
+    })
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k != "config"}, indent=2))
+    print(f"wrote {out_path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,645 @@
+"""Compare evaluated drafters: ``python -m experiments.report <run dirs or results.json> --out DIR``.
+
+Gathers every ``results.json`` written by :mod:`experiments.evaluate` under the given paths (a run
+dir, a multirun dir searched recursively, or the files themselves) and writes to ``--out``:
+
+* ``report.md``: per temperature, a table of τ per suite (and their mean) per configuration with
+  95% bootstrap intervals, the gain over the baseline configuration (``--baseline``, default
+  ``uniform``) as relative % with a 95% interval of the ratio τ/τ_baseline from *paired* resampling of
+  the prompts both evaluated (when per-prompt records are present), and the measured speeds;
+* ``report.json``: the same numbers;
+* PNG plots: ``tau.png`` (grouped bars with CI error bars, one panel per temperature),
+  ``position_acceptance.png`` (a_k vs k per suite), ``accept_hist.png`` (share of steps keeping
+  0..K drafts) and, when the training logs are found (a CSV logger's ``metrics.csv`` with a
+  ``val/tau_greedy`` column), ``training_curves.png``.
+
+A configuration is named by the ``loss`` group choice of the training run it came from, read from
+``.hydra/hydra.yaml`` (or the ``loss=`` override in ``train_summary.json``) beside the results or
+beside the evaluated drafter; otherwise by its directory name. ``--names`` overrides, in the order
+the files are found. ``--wandb`` also logs the plots and the table to Weights & Biases (offline
+unless ``--wandb-mode online``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MEAN = "mean"  # the pseudo-suite: unweighted mean of the per-suite τ
+OVERLAP_MARK = "°"
+CURVE_METRIC = "val/tau_greedy"
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding and naming runs
+
+
+def find_results(paths: Sequence[str | Path]) -> list[Path]:
+    """Every results.json under ``paths`` (files taken as they are, directories searched recursively)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            hits = [p]
+        elif p.is_dir():
+            hits = sorted(p.rglob("results.json"))
+            if not hits:
+                raise FileNotFoundError(f"{p}: no results.json found in this directory or below it")
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+        found += [h for h in hits if h.resolve() not in {f.resolve() for f in found}]
+    if not found:
+        raise FileNotFoundError("no results.json given")
+    return found
+
+
+def _read_yaml(path: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _override_value(overrides: Sequence[str], key: str) -> str | None:
+    for item in overrides or ():
+        name, _, value = str(item).lstrip("+~").partition("=")
+        if name == key and value:
+            return value
+    return None
+
+
+def loss_choice(run_dir: str | Path) -> str | None:
+    """The ``loss`` config group chosen for a training run dir, or None if the dir does not say."""
+    run_dir = Path(run_dir)
+    hydra_cfg = _read_yaml(run_dir / ".hydra" / "hydra.yaml")
+    if isinstance(hydra_cfg, dict):
+        choices = ((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices") or {}
+        if choices.get("loss"):
+            return str(choices["loss"])
+    summary = run_dir / "train_summary.json"
+    if summary.is_file():
+        try:
+            value = _override_value(json.loads(summary.read_text()).get("overrides", []), "loss")
+        except (OSError, json.JSONDecodeError):
+            value = None
+        if value:
+            return value
+    overrides = _read_yaml(run_dir / ".hydra" / "overrides.yaml")
+    return _override_value(overrides, "loss") if isinstance(overrides, list) else None
+
+
+def training_run_info(run_dir: str | Path) -> dict | None:
+    """``{run_dir, loss, name, seed}`` of a training run dir (one with train_summary.json or .hydra/)."""
+    run_dir = Path(run_dir)
+    if not ((run_dir / "train_summary.json").is_file() or (run_dir / ".hydra" / "config.yaml").is_file()):
+        return None
+    config = _read_yaml(run_dir / ".hydra" / "config.yaml")
+    config = config if isinstance(config, dict) else {}
+    name = config.get("name")
+    if (run_dir / "train_summary.json").is_file():
+        try:
+            name = json.loads((run_dir / "train_summary.json").read_text()).get("name", name)
+        except (OSError, json.JSONDecodeError):
+            pass
+    return {"run_dir": str(run_dir.resolve()), "loss": loss_choice(run_dir), "name": name, "seed": config.get("seed")}
+
+
+@dataclass
+class Run:
+    """One evaluated configuration: its name, results.json path and content."""
+
+    name: str
+    path: Path
+    doc: dict = field(repr=False)
+
+    @property
+    def results(self) -> dict:
+        return self.doc.get("results", {})
+
+    def training_dirs(self) -> list[Path]:
+        """Directories that may hold this configuration's training logs (nearest first)."""
+        dirs = [self.path.parent]
+        info = (self.doc.get("drafter") or {}).get("training_run") or {}
+        if info.get("run_dir"):
+            dirs.append(Path(info["run_dir"]))
+        drafter_path = (self.doc.get("drafter") or {}).get("path")
+        if drafter_path:
+            dirs.append(Path(drafter_path).parent)
+        return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
+
+
+def _auto_name(path: Path, doc: dict) -> tuple[str, Any]:
+    """``(name, seed)``: the loss choice beside the results or of the drafter's training run, else the dir name."""
+    info = training_run_info(path.parent) or {}
+    if info.get("loss"):
+        return info["loss"], info.get("seed")
+    info = (doc.get("drafter") or {}).get("training_run") or {}
+    if info.get("loss"):
+        return info["loss"], info.get("seed")
+    drafter_path = (doc.get("drafter") or {}).get("path")
+    if drafter_path and Path(drafter_path).parent.is_dir():
+        info = training_run_info(Path(drafter_path).parent) or {}
+        if info.get("loss"):
+            return info["loss"], info.get("seed")
+    return path.parent.name or str(path), None
+
+
+def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -> list[Run]:
+    """Read every results.json under ``paths`` and name each configuration (see the module docstring)."""
+    files = find_results(paths)
+    if names is not None and len(names) != len(files):
+        listing = "\n  ".join(map(str, files))
+        raise ValueError(f"--names gives {len(names)} names for {len(files)} results files:\n  {listing}")
+    docs = []
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e})") from e
+        if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
+            raise ValueError(f"{f}: not an experiments.evaluate results.json (no `results` mapping)")
+        docs.append(doc)
+    if names is not None:
+        labels = list(names)
+    else:
+        auto = [_auto_name(f, d) for f, d in zip(files, docs)]
+        labels = [a[0] for a in auto]
+        for i, (name, seed) in enumerate(auto):  # disambiguate repeats (e.g. seeds of one loss)
+            if labels.count(name) > 1:
+                labels[i] = f"{name}-s{seed}" if seed is not None else f"{name} ({files[i].parent.name})"
+    for i, label in enumerate(labels):
+        if labels.count(label) > 1:
+            labels[i] = f"{label} #{labels[: i + 1].count(label)}"
+    return [Run(name, f, d) for name, f, d in zip(labels, files, docs)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Numbers
+
+
+def _records(entry: dict) -> dict[str, tuple[int, int]] | None:
+    """``{prompt id: (new tokens, steps)}`` of an entry, or None without per-prompt records."""
+    prompts = entry.get("prompts")
+    if not prompts:
+        return None
+    return {str(r["id"]): (int(r["new_tokens"]), int(r["steps"])) for r in prompts}
+
+
+def _rng(seed: int, *parts: Any) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32("/".join(map(str, parts)).encode())])
+
+
+def _tau_draws(records: dict[str, tuple[int, int]], ids: Sequence[str], picks: np.ndarray) -> np.ndarray:
+    """Micro τ of each bootstrap resample: picks (n_boot, N) indexes ``ids`` -> (n_boot,)."""
+    arr = np.array([records[i] for i in ids], dtype=np.float64)  # (N, 2) new tokens, steps
+    return arr[picks, 0].sum(axis=1) / arr[picks, 1].sum(axis=1)
+
+
+def _interval(draws: np.ndarray, alpha: float = 0.05) -> tuple[float, float]:
+    low, high = np.quantile(draws, [alpha / 2, 1 - alpha / 2])
+    return float(low), float(high)
+
+
+def _paired_gain(
+    cfg: list[dict[str, tuple[int, int]] | None], base: list[dict[str, tuple[int, int]] | None],
+    num_bootstrap: int, rng: np.random.Generator,
+) -> tuple[float | None, float | None, int]:
+    """95% interval of mean_s τ_cfg,s / mean_s τ_base,s − 1, resampling the prompts both share, per suite.
+
+    One suite gives the plain ratio; several give the ratio of the unweighted means over suites.
+    Returns ``(low, high, paired prompts)``; (None, None, n) when a suite lacks records or shared prompts.
+    """
+    draws_c, draws_b, paired = [], [], 0
+    for rc, rb in zip(cfg, base):
+        common = sorted(set(rc) & set(rb)) if rc is not None and rb is not None else []
+        if len(common) < 2:
+            return None, None, paired
+        picks = rng.integers(0, len(common), size=(num_bootstrap, len(common)))
+        draws_c.append(_tau_draws(rc, common, picks))
+        draws_b.append(_tau_draws(rb, common, picks))
+        paired += len(common)
+    return (*_interval(np.mean(draws_c, axis=0) / np.mean(draws_b, axis=0) - 1.0), paired)
+
+
+def _mean_cell(entries: list[dict], num_bootstrap: int, rng: np.random.Generator) -> dict:
+    """The unweighted mean of per-suite τ, with a stratified bootstrap interval (prompts resampled per suite)."""
+    cell = {"tau": float(np.mean([e["tau"] for e in entries])), "ci_low": None, "ci_high": None,
+            "num_prompts": sum(int(e.get("num_prompts", 0)) for e in entries)}
+    recs = [_records(e) for e in entries]
+    if all(r is not None and len(r) >= 1 for r in recs):
+        draws = []
+        for r in recs:
+            ids = sorted(r)
+            draws.append(_tau_draws(r, ids, rng.integers(0, len(ids), size=(num_bootstrap, len(ids)))))
+        cell["ci_low"], cell["ci_high"] = _interval(np.mean(draws, axis=0))
+    return cell
+
+
+def _entry_cell(entry: dict) -> dict:
+    return {
+        "tau": float(entry["tau"]),
+        "ci_low": entry.get("tau_ci_low"),
+        "ci_high": entry.get("tau_ci_high"),
+        "tau_macro": entry.get("tau_macro"),
+        "num_prompts": entry.get("num_prompts"),
+        "spec_tokens_per_s": entry.get("spec_tokens_per_s"),
+        "target_tokens_per_s": entry.get("target_tokens_per_s"),
+        "speedup": entry.get("speedup"),
+    }
+
+
+def _overlap(a: dict, b: dict) -> bool | None:
+    if None in (a.get("ci_low"), a.get("ci_high"), b.get("ci_low"), b.get("ci_high")):
+        return None
+    return not (a["ci_low"] > b["ci_high"] or a["ci_high"] < b["ci_low"])
+
+
+def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_bootstrap: int = 1000,
+                 seed: int = 0) -> dict:
+    """All numbers of the report (the content of report.json).
+
+    ``table[t_key][suite][config]`` holds ``tau, ci_low, ci_high, num_prompts`` (plus speeds for real
+    suites) and, for configurations other than the baseline, ``gain`` (τ/τ_baseline − 1),
+    ``gain_ci_low/high`` (paired bootstrap, None without per-prompt records), ``paired_prompts`` and
+    ``ci_overlap`` (whether the τ intervals of the configuration and the baseline overlap). The
+    ``mean`` pseudo-suite averages the suites every configuration evaluated at that temperature.
+    """
+    if not runs:
+        raise ValueError("no runs to report")
+    names = [r.name for r in runs]
+    if baseline is not None and baseline not in names:
+        raise ValueError(f"baseline configuration {baseline!r} is not among the runs {names}; "
+                         "pass --baseline <name> (or --baseline none)")
+    suites: list[str] = []
+    temps: dict[str, float] = {}
+    for run in runs:
+        for suite, entries in run.results.items():
+            suites += [suite] if suite not in suites else []
+            for key, entry in entries.items():
+                temps[key] = float(entry.get("temperature", key.lstrip("t")))
+    t_keys = sorted(temps, key=temps.get)
+    table: dict[str, dict[str, dict[str, dict]]] = {}
+    curves: dict[str, dict[str, dict[str, dict]]] = {}
+    for key in t_keys:
+        table[key], curves[key] = {}, {}
+        common = [s for s in suites if all(key in run.results.get(s, {}) for run in runs)]
+        columns = suites + ([MEAN] if len(common) > 1 else [])
+        for suite in columns:
+            cells = {}
+            for run in runs:
+                if suite == MEAN:
+                    cells[run.name] = _mean_cell([run.results[s][key] for s in common], num_bootstrap,
+                                                 _rng(seed, key, suite, run.name))
+                elif key in run.results.get(suite, {}):
+                    entry = run.results[suite][key]
+                    cells[run.name] = _entry_cell(entry)
+                    curves[key].setdefault(suite, {})[run.name] = {
+                        "position_acceptance": entry.get("position_acceptance"),
+                        "accept_hist": entry.get("accept_hist"),
+                    }
+            if baseline is not None and baseline in cells:
+                base = cells[baseline]
+                group = common if suite == MEAN else [suite]
+                base_recs = [_records(runs[names.index(baseline)].results[s][key]) for s in group]
+                for run in runs:
+                    cell = cells.get(run.name)
+                    if cell is None or run.name == baseline:
+                        continue
+                    cell["gain"] = cell["tau"] / base["tau"] - 1.0
+                    low, high, paired = _paired_gain([_records(run.results[s][key]) for s in group], base_recs,
+                                                     num_bootstrap, _rng(seed, key, suite, run.name, "gain"))
+                    cell.update(gain_ci_low=low, gain_ci_high=high, paired_prompts=paired,
+                                ci_overlap=_overlap(cell, base))
+            table[key][suite] = cells
+    return {
+        "baseline": baseline,
+        "configurations": [{
+            "name": r.name,
+            "results_path": str(r.path),
+            "drafter_path": (r.doc.get("drafter") or {}).get("path"),
+            "training_run": (r.doc.get("drafter") or {}).get("training_run"),
+            "git_commit": r.doc.get("git_commit"),
+        } for r in runs],
+        "suites": suites,
+        "temperatures": {k: temps[k] for k in t_keys},
+        "num_bootstrap": num_bootstrap,
+        "table": table,
+        "curves": curves,
+    }
+
+
+def training_curve(run: Run, metric: str = CURVE_METRIC) -> tuple[list[int], list[float]] | None:
+    """``(steps, values)`` of ``metric`` from the first CSV-logger metrics.csv near the run that has it."""
+    for d in run.training_dirs():
+        for path in [d / "metrics.csv", d / "logs" / "metrics.csv", *sorted(d.glob("*/*/metrics.csv"))]:
+            if not path.is_file():
+                continue
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            if not rows or metric not in rows[0]:
+                continue
+            points = {int(float(r["step"])): float(r[metric]) for r in rows if r.get(metric) and r.get("step")}
+            if points:
+                steps = sorted(points)
+                return steps, [points[s] for s in steps]
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _fmt_tau(cell: dict | None) -> str:
+    if cell is None:
+        return "—"
+    ci = f" [{cell['ci_low']:.3f}, {cell['ci_high']:.3f}]" if cell.get("ci_low") is not None else ""
+    return f"{cell['tau']:.3f}{ci}"
+
+
+def _fmt_gain(cell: dict | None) -> str:
+    if cell is None or "gain" not in cell:
+        return "—"
+    ci = ""
+    if cell.get("gain_ci_low") is not None:
+        ci = f" [{100 * cell['gain_ci_low']:+.1f}%, {100 * cell['gain_ci_high']:+.1f}%]"
+    mark = OVERLAP_MARK if cell.get("ci_overlap") else ""
+    return f"{100 * cell['gain']:+.1f}%{ci}{mark}"
+
+
+def _fmt_speed(cell: dict | None) -> str:
+    if cell is None or cell.get("spec_tokens_per_s") is None:
+        return "—"
+    if cell.get("speedup") is None:
+        return f"{cell['spec_tokens_per_s']:.0f} tok/s"
+    return f"{cell['spec_tokens_per_s']:.0f} / {cell['target_tokens_per_s']:.0f} tok/s = {cell['speedup']:.2f}×"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
+    """report.md: per temperature, tables of τ, gain over the baseline, and speed."""
+    names = [c["name"] for c in report["configurations"]]
+    base = report["baseline"]
+    lines = ["# blockdraft: accepted length per configuration", ""]
+    lines += ["τ = new tokens kept per target verification step (bonus token counted), pooled over a suite's "
+              "prompts (both MT-Bench turns included); `mean` = unweighted mean over the suites. Intervals: 95% "
+              f"percentile bootstrap over prompts ({report['num_bootstrap']} resamples)."]
+    if base is not None:
+        lines += ["", f"Gain = τ / τ({base}) − 1, with the 95% interval of the ratio from paired resampling of "
+                      f"the prompts both configurations evaluated. {OVERLAP_MARK} marks a gain whose τ interval "
+                      f"overlaps the {base} interval."]
+    lines += ["", "Configurations:", ""]
+    lines += [f"- **{c['name']}**: `{c['results_path']}`" + (f" (drafter `{c['drafter_path']}`)"
+                                                              if c.get("drafter_path") else "")
+              for c in report["configurations"]]
+    for key, temperature in report["temperatures"].items():
+        columns = list(report["table"][key])
+        lines += ["", f"## Temperature {temperature:g}", "", "### τ (95% CI)", ""]
+        lines += _table(["configuration", *columns],
+                        [[n, *(_fmt_tau(report["table"][key][s].get(n)) for s in columns)] for n in names])
+        if base is not None:
+            lines += ["", f"### Gain over {base} (95% CI)", ""]
+            lines += _table(["configuration", *columns],
+                            [[n, *(_fmt_gain(report["table"][key][s].get(n)) for s in columns)]
+                             for n in names if n != base])
+        speed_cols = [s for s in columns if s != MEAN]
+        lines += ["", "### Speed (speculative / target-only tokens per second = speedup)", ""]
+        lines += _table(["configuration", *speed_cols],
+                        [[n, *(_fmt_speed(report["table"][key][s].get(n)) for s in speed_cols)] for n in names])
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(names: Sequence[str]) -> dict[str, Any]:
+    plt = _pyplot()
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+
+def _legend(fig, axes, names: Sequence[str]) -> None:
+    handles, labels = [], []
+    for ax in np.ravel(axes):
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    order = [labels.index(n) for n in names if n in labels]
+    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
+               ncol=min(len(order), 5), title="configuration")
+
+
+def plot_tau(report: dict, path: Path) -> Path:
+    """Grouped bars of τ per suite (and mean), one bar per configuration, 95% CI error bars; a panel per T."""
+    plt = _pyplot()
+    names = [c["name"] for c in report["configurations"]]
+    colors = _colors(names)
+    keys = list(report["temperatures"])
+    ncols = max(len(report["table"][k]) for k in keys)
+    fig, axes = plt.subplots(1, len(keys), figsize=(max(4.5, 1.1 * ncols * max(1, len(names) / 3) + 1.5) * len(keys),
+                                                    4.6), squeeze=False, sharey=True, layout="constrained")
+    width = 0.8 / len(names)
+    for ax, key in zip(axes[0], keys):
+        columns = list(report["table"][key])
+        for j, name in enumerate(names):
+            xs, ys, err = [], [], [[], []]
+            for i, suite in enumerate(columns):
+                cell = report["table"][key][suite].get(name)
+                if cell is None:
+                    continue
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(cell["tau"])
+                low = cell["ci_low"] if cell.get("ci_low") is not None else cell["tau"]
+                high = cell["ci_high"] if cell.get("ci_high") is not None else cell["tau"]
+                err[0].append(max(cell["tau"] - low, 0.0))
+                err[1].append(max(high - cell["tau"], 0.0))
+            ax.bar(xs, ys, width, yerr=err, capsize=3, color=colors[name], label=name, edgecolor="black",
+                   linewidth=0.5, error_kw={"elinewidth": 1})
+        ax.set_xticks(range(len(columns)), columns)
+        ax.set_xlabel("suite")
+        ax.set_title(f"temperature {report['temperatures'][key]:g}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0][0].set_ylabel("τ: tokens per verification step")
+    fig.suptitle("Accepted length τ per suite (bars: 95% bootstrap CI)")
+    _legend(fig, axes, names)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _curve_grid(report: dict, title: str):
+    plt = _pyplot()
+    keys = list(report["temperatures"])
+    suites = report["suites"]
+    fig, axes = plt.subplots(len(keys), len(suites), figsize=(4.2 * len(suites), 3.4 * len(keys) + 0.8),
+                             squeeze=False, layout="constrained")
+    fig.suptitle(title)
+    return plt, fig, axes, keys, suites
+
+
+def plot_position_acceptance(report: dict, path: Path) -> Path:
+    """a_k = P(slot k accepted | slots < k accepted) vs k, one line per configuration; suites x temperatures."""
+    names = [c["name"] for c in report["configurations"]]
+    colors = _colors(names)
+    plt, fig, axes, keys, suites = _curve_grid(report, "Per-position conditional acceptance")
+    for r, key in enumerate(keys):
+        for c, suite in enumerate(suites):
+            ax = axes[r][c]
+            for name in names:
+                curve = report["curves"][key].get(suite, {}).get(name, {}).get("position_acceptance")
+                if not curve:
+                    continue
+                ks = [k for k, a in enumerate(curve, start=1) if a is not None]
+                ax.plot(ks, [curve[k - 1] for k in ks], marker="o", markersize=3, color=colors[name], label=name)
+            ax.set_ylim(0, 1.05)
+            ax.set_title(f"{suite}, T={report['temperatures'][key]:g}")
+            ax.set_xlabel("draft position k")
+            ax.set_ylabel("a_k")
+            ax.grid(alpha=0.3)
+    _legend(fig, axes, names)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_accept_hist(report: dict, path: Path) -> Path:
+    """Share of verification steps that kept 0..K drafts, bars per configuration; suites x temperatures."""
+    names = [c["name"] for c in report["configurations"]]
+    colors = _colors(names)
+    plt, fig, axes, keys, suites = _curve_grid(report, "Accepted drafts per verification step")
+    width = 0.8 / len(names)
+    for r, key in enumerate(keys):
+        for c, suite in enumerate(suites):
+            ax = axes[r][c]
+            for j, name in enumerate(names):
+                hist = report["curves"][key].get(suite, {}).get(name, {}).get("accept_hist")
+                if not hist or sum(hist) == 0:
+                    continue
+                xs = np.arange(len(hist)) - 0.4 + width * (j + 0.5)
+                ax.bar(xs, np.asarray(hist) / sum(hist), width, color=colors[name], label=name)
+            ax.set_title(f"{suite}, T={report['temperatures'][key]:g}")
+            ax.set_xlabel("drafts accepted in the step")
+            ax.set_ylabel("share of steps")
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+    _legend(fig, axes, names)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path) -> Path:
+    """``val/tau_greedy`` vs optimizer step, one line per configuration."""
+    plt = _pyplot()
+    colors = _colors(list(curves))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), layout="constrained")
+    for name, (steps, values) in curves.items():
+        ax.plot(steps, values, marker="o", markersize=3, color=colors[name], label=name)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("teacher-forced τ (greedy), validation")
+    ax.set_title(f"Training: {CURVE_METRIC}")
+    ax.grid(alpha=0.3)
+    ax.legend(title="configuration")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "uniform",
+                 num_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
+    plots = [plot_tau(report, out / "tau.png"),
+             plot_position_acceptance(report, out / "position_acceptance.png"),
+             plot_accept_hist(report, out / "accept_hist.png")]
+    curves = {r.name: c for r in runs if (c := training_curve(r)) is not None}
+    report["training_curves"] = {n: {"steps": s, CURVE_METRIC: v} for n, (s, v) in curves.items()}
+    if curves:
+        plots.append(plot_training_curves(curves, out / "training_curves.png"))
+    (out / "report.md").write_text(render_markdown(report, plots))
+    report["files"] = [str(out / "report.md"), str(out / "report.json"), *map(str, plots)]
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def log_to_wandb(report: dict, out: str | Path, project: str = "blockdraft", mode: str = "offline",
+                 name: str | None = None) -> str:
+    """Log the PNGs and the τ table to a W&B run (offline by default); returns the run's directory."""
+    import wandb
+
+    run = wandb.init(project=project, mode=mode, dir=str(out), name=name, job_type="report",
+                     config={"baseline": report["baseline"], "configurations": report["configurations"]})
+    images = {f"report/{Path(f).stem}": wandb.Image(f) for f in report["files"] if f.endswith(".png")}
+    columns = ["configuration", "temperature", "suite", "tau", "ci_low", "ci_high", "gain", "gain_ci_low",
+               "gain_ci_high"]
+    rows = [[n, report["temperatures"][k], s, c["tau"], c.get("ci_low"), c.get("ci_high"), c.get("gain"),
+             c.get("gain_ci_low"), c.get("gain_ci_high")]
+            for k, suites in report["table"].items() for s, cells in suites.items() for n, c in cells.items()]
+    run.log({**images, "report/tau_table": wandb.Table(columns=columns, data=rows)})
+    run_dir = run.dir
+    run.finish()
+    return run_dir
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", help="run dirs (searched recursively) or results.json files")
+    parser.add_argument("--out", required=True, help="output directory for report.md, report.json and PNGs")
+    parser.add_argument("--names", nargs="+", help="configuration names, in the order the results are found")
+    parser.add_argument("--baseline", default="uniform", help="configuration the gains are relative to "
+                        "('none': no gains; default uniform, skipped with a note when absent)")
+    parser.add_argument("--num-bootstrap", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wandb", action="store_true", help="also log the plots and table to W&B")
+    parser.add_argument("--wandb-project", default="blockdraft")
+    parser.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
+    args = parser.parse_args(argv)
+    if args.num_bootstrap < 1:
+        parser.error(f"--num-bootstrap must be >= 1, got {args.num_bootstrap}")
+    runs = load_runs(args.paths, args.names)
+    baseline = None if args.baseline.lower() == "none" else args.baseline
+    if baseline == "uniform" and baseline not in [r.name for r in runs]:
+        print(f"[report] no configuration named 'uniform' among {[r.name for r in runs]}: no gains "
+              "(pass --baseline <name>)", flush=True)
+        baseline = None
+    report = write_report(runs, args.out, baseline=baseline, num_bootstrap=args.num_bootstrap, seed=args.seed)
+    if args.wandb:
+        report["wandb_dir"] = log_to_wandb(report, args.out, project=args.wandb_project, mode=args.wandb_mode)
+    print(f"[report] {len(runs)} configurations -> {Path(args.out) / 'report.md'}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

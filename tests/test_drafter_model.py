@@ -1,0 +1,393 @@
+"""BlockDiffusionDrafter: construction from HF targets, training/inference agreement, saving, errors."""
+
+import pytest
+import torch
+from conftest import left_padded_prompts, tiny_target
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from drafters import BlockDiffusionDrafter, DrafterConfig
+from drafters.model import default_target_layer_ids
+from verify.generate import speculative_generate
+from verify.rejection import warp_probs
+
+VOCAB = 96
+
+
+def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) -> nn.Module:
+    """A tiny random target with 3 layers, GQA (llama, qwen2) and a non-default RoPE base (llama)."""
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          rope_theta=50000.0, bos_token_id=0, eos_token_id=1)
+        model = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+                          bos_token_id=0, eos_token_id=1)
+        model = Qwen2ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=128,
+                         bos_token_id=0, eos_token_id=1)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+ARCHS = ["llama", "qwen2", "gpt2"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def target_and_drafter(request):
+    target = build_target(request.param)
+    torch.manual_seed(1)
+    return target, BlockDiffusionDrafter.from_target(target, block_size=4)
+
+
+def _run_target(target, ids):
+    with torch.no_grad():
+        return target(ids, output_hidden_states=True).hidden_states
+
+
+# ---- construction -------------------------------------------------------------------------------
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(1) == (1,)
+    assert default_target_layer_ids(2) == (1, 2)
+    assert default_target_layer_ids(4) == (1, 2, 3, 4)
+    ids = default_target_layer_ids(32)
+    assert len(ids) == 5 and ids[0] == 1 and ids[-1] == 32 and list(ids) == sorted(set(ids))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_target_reads_sizes(arch):
+    target = build_target(arch)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=5, num_layers=2)
+    cfg = drafter.config
+    assert (cfg.hidden_size, cfg.num_heads, cfg.vocab_size, cfg.block_size, cfg.num_layers) == (32, 4, VOCAB, 5, 2)
+    assert cfg.num_kv_heads == {"llama": 2, "qwen2": 1, "gpt2": 4}[arch]
+    assert cfg.rope_theta == {"llama": 50000.0, "qwen2": 10000.0, "gpt2": 10000.0}[arch]
+    assert cfg.target_layer_ids == (1, 2, 3)
+    assert cfg.mask_token_id == VOCAB - 1
+    assert cfg.target_fingerprint == {"model_type": arch, "vocab_size": VOCAB, "hidden_size": 32,
+                                      "num_hidden_layers": 3}
+    assert drafter.num_draft_tokens == 4 and drafter.vocab_size == VOCAB
+
+
+def test_forward_train_shapes(target_and_drafter):
+    target, drafter = target_and_drafter
+    ids = torch.randint(0, VOCAB, (2, 12))
+    states = _run_target(target, ids)
+    logits = drafter.forward_train(states, ids, torch.arange(12).expand(2, 12), torch.tensor([[0, 5, 11], [2, 3, 7]]))
+    assert logits.shape == (2, 3, 3, VOCAB) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_mask_token_from_target_config():
+    target = build_target("llama")
+    target.config.mask_token_id = 7
+    assert BlockDiffusionDrafter.from_target(target).config.mask_token_id == 7
+    assert BlockDiffusionDrafter.from_target(target, mask_token_id=3).config.mask_token_id == 3
+
+
+def test_hydra_config_builds_drafter():
+    cfg = OmegaConf.load("conf/drafter/dflash.yaml")
+    assert cfg.block_size == 16 and cfg.num_layers == 1 and cfg.target_layer_ids is None
+    cfg.block_size = 4
+    drafter = instantiate(cfg)(build_target("gpt2"))
+    assert isinstance(drafter, BlockDiffusionDrafter) and drafter.num_draft_tokens == 3
+
+
+# ---- training and inference agree ---------------------------------------------------------------
+
+
+def test_forward_train_matches_inference_per_block(target_and_drafter):
+    target, drafter = target_and_drafter
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 14))
+    pos = torch.arange(14).expand(2, 14)
+    states = _run_target(target, ids)
+    selected = [states[i] for i in drafter.target_layer_ids]
+    anchors = torch.tensor([[0, 4, 9], [3, 7, 13]])
+    with torch.no_grad():
+        train_logits = drafter.forward_train(states, ids, pos, anchors)
+    for b in range(2):
+        for a, t in enumerate(anchors[b].tolist()):
+            drafter.reset(1)
+            drafter.extend(ids[b : b + 1, :t], torch.ones(1, t, dtype=torch.long), pos[b : b + 1, :t],
+                           [s[b : b + 1, :t] for s in selected])
+            got = drafter.draft_logits(ids[b, t].view(1), pos[b, t].view(1))
+            torch.testing.assert_close(got[0], train_logits[b, a], atol=2e-5, rtol=1e-4)
+
+
+def test_inference_with_holes_and_batching_matches_training(target_and_drafter):
+    """Rows with different anchors share one column buffer padded with holes (masked columns)."""
+    target, drafter = target_and_drafter
+    torch.manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    pos = torch.arange(12).expand(2, 12)
+    states = _run_target(target, ids)
+    selected = [states[i] for i in drafter.target_layer_ids]
+    anchors = torch.tensor([[6], [10]])
+    with torch.no_grad():
+        train_logits = drafter.forward_train(states, ids, pos, anchors)[:, 0]  # (2, K, V)
+
+    # Column layouts (None = hole): row 0 has left padding and rejected drafts in the middle.
+    layouts = [[None, None, 0, 1, 2, None, None, 3, 4, 5, None, None], list(range(10)) + [None, None]]
+    cols = len(layouts[0])
+    col_ids = torch.randint(0, VOCAB, (2, cols))
+    col_mask = torch.zeros(2, cols, dtype=torch.long)
+    col_pos = torch.randint(0, 50, (2, cols))
+    col_states = [torch.randn(2, cols, s.shape[-1]) for s in selected]
+    for b, layout in enumerate(layouts):
+        for c, src in enumerate(layout):
+            if src is not None:
+                col_ids[b, c], col_mask[b, c], col_pos[b, c] = ids[b, src], 1, pos[b, src]
+                for cs, s in zip(col_states, selected):
+                    cs[b, c] = s[b, src]
+    drafter.reset(2)
+    for lo, hi in [(0, 5), (5, 6), (6, cols)]:  # several extends, as in decoding
+        drafter.extend(col_ids[:, lo:hi], col_mask[:, lo:hi], col_pos[:, lo:hi], [cs[:, lo:hi] for cs in col_states])
+    got = drafter.draft_logits(ids[[0, 1], anchors[:, 0]], pos[[0, 1], anchors[:, 0]])
+    torch.testing.assert_close(got, train_logits, atol=2e-5, rtol=1e-4)
+
+    # select_rows keeps the chosen rows' caches, in order.
+    drafter.select_rows(torch.tensor([1]))
+    torch.testing.assert_close(drafter.draft_logits(ids[1, 10].view(1), pos[1, 10].view(1)), got[1:])
+
+
+def test_forward_train_padding_and_invalid_anchors():
+    target = build_target("llama")
+    torch.manual_seed(4)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    states = _run_target(target, ids)
+    with torch.no_grad():
+        ref = drafter.forward_train(states, ids, torch.arange(10).view(1, 10), torch.tensor([[3, 8]]))
+        # Left-pad by 3 garbage columns; positions derive from context_mask.
+        pad_ids = torch.cat([torch.randint(0, VOCAB, (1, 3)), ids], 1)
+        pad_states = tuple(torch.cat([torch.randn(1, 3, 32), s], 1) for s in states)
+        ctx = torch.cat([torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 10, dtype=torch.bool)], 1)
+        got = drafter.forward_train(pad_states, pad_ids, None, torch.tensor([[6, 0, 11]]),
+                                    anchor_mask=torch.tensor([[True, False, True]]), context_mask=ctx)
+    torch.testing.assert_close(got[:, [0, 2]], ref, atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(got).all()  # the padding anchor sees only its own block: no NaN
+
+
+def test_block_labels_brute_force():
+    drafter = BlockDiffusionDrafter.from_target(build_target("llama"), block_size=4)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=g)
+    anchors = torch.randint(0, 9, (3, 4), generator=g)
+    anchor_mask = torch.rand(3, 4, generator=g) > 0.2
+    valid = torch.rand(3, 9, generator=g) > 0.2
+    labels, mask = drafter.block_labels(ids, anchors, anchor_mask, valid)
+    assert labels.shape == mask.shape == (3, 4, 3)
+    for b in range(3):
+        for a in range(4):
+            t = int(anchors[b, a])
+            ok = bool(anchor_mask[b, a]) and bool(valid[b, t])
+            for k in range(1, 4):
+                ok = ok and t + k < 9 and bool(valid[b, t + k])
+                assert bool(mask[b, a, k - 1]) == ok
+                assert int(labels[b, a, k - 1]) == (int(ids[b, t + k]) if ok else 0)
+
+
+def test_gradients_reach_drafter_only():
+    target = build_target("qwen2")
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    states = _run_target(target, ids)
+    anchors = torch.tensor([[1, 5], [2, 6]])
+    logits = drafter.forward_train(states, ids, torch.arange(10).expand(2, 10), anchors)
+    labels, mask = drafter.block_labels(ids, anchors)
+    loss = nn.functional.cross_entropy(logits[mask], labels[mask])
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+    assert target.get_input_embeddings().weight.grad is None
+    assert target.get_output_embeddings().weight.grad is None
+
+
+# ---- drafting -------------------------------------------------------------------------------------
+
+
+def test_draft_greedy_and_sampled():
+    target = build_target("gpt2")
+    torch.manual_seed(6)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=5)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    states = _run_target(target, ids)
+    drafter.reset(2)
+    drafter.extend(ids[:, :5], torch.ones(2, 5, dtype=torch.long), torch.arange(5).expand(2, 5),
+                   [states[i][:, :5] for i in drafter.target_layer_ids])
+    anchor, anchor_pos = ids[:, 5], torch.tensor([5, 5])
+    logits = drafter.draft_logits(anchor, anchor_pos)  # (2, 4, V)
+
+    tokens, q = drafter.draft(anchor, anchor_pos)
+    assert q is None and torch.equal(tokens, logits.argmax(-1))
+
+    g = torch.Generator().manual_seed(0)
+    tokens, q = drafter.draft(anchor, anchor_pos, temperature=0.7, top_k=4, generator=g)
+    assert tokens.shape == (2, 4) and q.shape == (2, 4, VOCAB) and q.dtype == torch.float32
+    torch.testing.assert_close(q, warp_probs(logits, temperature=0.7, top_k=4))
+    assert (q.gather(-1, tokens.unsqueeze(-1)) > 0).all()
+
+    # Empirical frequencies of each slot's draws match q: 4000 copies of row 0 in one batch.
+    n = 4000
+    drafter.reset(n)
+    drafter.extend(ids[:1, :5].expand(n, 5), torch.ones(n, 5, dtype=torch.long), torch.arange(5).expand(n, 5),
+                   [states[i][:1, :5].expand(n, 5, -1) for i in drafter.target_layer_ids])
+    g = torch.Generator().manual_seed(1)
+    draws, q_many = drafter.draft(anchor[:1].expand(n), anchor_pos[:1].expand(n), temperature=0.7, top_k=4,
+                                  generator=g)  # (N, 4), (N, 4, V)
+    torch.testing.assert_close(q_many[0], q[0], atol=2e-5, rtol=1e-4)
+    freq = nn.functional.one_hot(draws, VOCAB).float().mean(0)  # (4, V)
+    assert (freq - q[0]).abs().max() < 0.03
+
+
+# ---- saving, loading, and the target kept out of the drafter ------------------------------------
+
+
+def test_target_weights_not_in_drafter_state(target_and_drafter):
+    target, drafter = target_and_drafter
+    keys = list(drafter.state_dict())
+    assert not any(("embed" in k or "lm_head" in k or "wte" in k) for k in keys)
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert not any(t.data_ptr() in target_ptrs for t in drafter.state_dict().values())
+    assert sum(p.numel() for p in drafter.parameters()) < sum(p.numel() for p in target.parameters())
+    assert not target.get_input_embeddings().weight.requires_grad
+
+
+def test_save_load_round_trip(tmp_path, target_and_drafter):
+    target, drafter = target_and_drafter
+    drafter.save_pretrained(tmp_path / "d")
+    assert (tmp_path / "d" / "model.safetensors").is_file() and (tmp_path / "d" / "config.json").is_file()
+    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert loaded.config == drafter.config
+    ids = torch.randint(0, VOCAB, (2, 9))
+    states = _run_target(target, ids)
+    args = (states, ids, torch.arange(9).expand(2, 9), torch.tensor([[2, 6], [4, 8]]))
+    with torch.no_grad():
+        assert torch.equal(loaded.forward_train(*args), drafter.forward_train(*args))
+
+
+@pytest.mark.parametrize(
+    "other, field",
+    [(lambda: build_target("llama", vocab=128), "vocab_size"),
+     (lambda: build_target("llama", layers=2), "num_hidden_layers"),
+     (lambda: build_target("qwen2"), "model_type")],
+)
+def test_mismatched_target_refused(tmp_path, other, field):
+    drafter = BlockDiffusionDrafter.from_target(build_target("llama"), block_size=4)
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=field):
+        BlockDiffusionDrafter.from_pretrained(tmp_path, target=other())
+    with pytest.raises(ValueError, match=field):
+        drafter.attach_target(other())
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "nowhere")
+    drafter = BlockDiffusionDrafter.from_target(build_target("llama"), block_size=4)
+    drafter.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+class NoHiddenStates(nn.Module):
+    """A causal LM wrapper whose output never carries hidden states."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids, **kwargs):
+        return CausalLMOutputWithPast(logits=self.inner(input_ids).logits)
+
+
+def test_bad_inputs():
+    target = build_target("llama")
+    with pytest.raises(ValueError, match="block_size"):
+        BlockDiffusionDrafter.from_target(target, block_size=1)
+    for bad in (VOCAB, -1):
+        with pytest.raises(ValueError, match="mask_token_id"):
+            BlockDiffusionDrafter.from_target(target, mask_token_id=bad)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        BlockDiffusionDrafter.from_target(target, target_layer_ids=(1, 4))
+    with pytest.raises(ValueError, match="hidden_states"):
+        BlockDiffusionDrafter.from_target(NoHiddenStates(target))
+    with pytest.raises(ValueError, match="config"):
+        BlockDiffusionDrafter.from_target(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown drafter overrides"):
+        BlockDiffusionDrafter.from_target(target, hidden_dim=8)
+    with pytest.raises(ValueError, match="hidden_size"):
+        BlockDiffusionDrafter.from_target(target, hidden_size=64)
+
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        drafter.forward_train(None, ids, None, torch.tensor([[2]]))
+    with pytest.raises(ValueError, match="out of range"):
+        drafter.forward_train(_run_target(target, ids)[:2], ids, None, torch.tensor([[2]]))
+    with pytest.raises(RuntimeError, match="reset"):
+        BlockDiffusionDrafter(drafter.config).extend(ids, torch.ones_like(ids), ids, None)
+    drafter.reset(1)
+    with pytest.raises(ValueError, match="hidden states"):
+        drafter.extend(ids, torch.ones_like(ids), ids, None)
+    with pytest.raises(RuntimeError, match="attach_target"):
+        BlockDiffusionDrafter(drafter.config).forward_train(_run_target(target, ids), ids, None, torch.tensor([[2]]))
+    with pytest.raises(ValueError, match="unknown DrafterConfig keys"):
+        DrafterConfig.from_dict({**drafter.config.to_dict(), "extra": 1})
+
+
+# ---- exactness through the verifier ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("lengths", [[6], [3, 7, 5]])
+def test_greedy_speculative_decoding_equals_target_greedy(family, lengths):
+    """A random drafter changes only the speed: the output is the target's greedy output."""
+    target = tiny_target(family, vocab_size=64)  # shared builder: pad 0, bos 1, eos 2
+    torch.manual_seed(7)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    ids, mask = left_padded_prompts(lengths, 64, seed=1)
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=2)
+    with torch.no_grad():
+        ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=2,
+                              pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    assert all(0 <= n <= 3 for counts in out.accepted_counts for n in counts)
+
+
+def test_sampled_speculative_decoding_runs_with_q():
+    target = tiny_target("llama", vocab_size=64)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    ids, mask = left_padded_prompts([4, 6], 64, seed=2)
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, temperature=1.0,
+                               top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert [len(t) for t in out.new_tokens] == [16, 16]
+    assert 1.0 <= out.tau <= 4.0
