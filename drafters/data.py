@@ -29,7 +29,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 SHARDS = "shards"
 META = "regen.json"
@@ -218,6 +218,29 @@ class RegenDataset(Dataset):
         return {"input_ids": ids, "prompt_len": int(row["prompt_len"])}
 
 
+class EpochShuffle(Sampler):
+    """A permutation of ``range(n)`` drawn from ``(seed, epoch)``; Lightning calls ``set_epoch``.
+
+    Unlike a DataLoader-level generator, the order of epoch e does not depend on how many epochs
+    this process ran before, so a run resumed at an epoch boundary sees the data in the same order
+    as an uninterrupted one. Under DDP, Lightning wraps it (``DistributedSamplerWrapper``, which
+    forwards ``set_epoch``) and gives each rank its slice of the same permutation.
+    """
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+
 class RegenDataModule(L.LightningDataModule):
     """Train/validation loaders over a regenerated data dir (see the module docstring).
 
@@ -260,10 +283,11 @@ class RegenDataModule(L.LightningDataModule):
         data = load_regenerated(self.data_dir)
         ids = data.data.column("id").to_pylist()
         train_idx, val_idx = split_by_id(ids, self.val_fraction)
-        if self.max_val_samples is not None:
-            val_idx = sorted(sorted(val_idx, key=lambda i: id_hash(ids[i]))[: self.max_val_samples])
         self.train_set = RegenDataset(data, train_idx, self.max_length)
         self.val_set = RegenDataset(data, val_idx, self.max_length)
+        if self.max_val_samples is not None:  # the same rows whatever the data dir's size order
+            by_hash = sorted(self.val_set.indices, key=lambda i: id_hash(ids[i]))
+            self.val_set.indices = sorted(by_hash[: self.max_val_samples])
         if len(self.train_set) == 0:
             raise ValueError(
                 f"regenerated dataset at {self.data_dir}: no training rows left ({len(data)} rows, "
@@ -271,9 +295,9 @@ class RegenDataModule(L.LightningDataModule):
             )
 
     def _loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        sampler = EpochShuffle(len(dataset), self.seed) if shuffle else None
         return DataLoader(
-            dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=self.num_workers,
+            dataset, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
             collate_fn=functools.partial(collate, pad_token_id=self.pad_token_id), drop_last=False,
             persistent_workers=self.num_workers > 0,
         )

@@ -162,6 +162,23 @@ def teacher_forced_tau(drafter, target, batch: dict[str, torch.Tensor], chunk: i
 # ----------------------------------------------------------------------------- the module
 
 
+def strip_output_capturing_hooks(model: nn.Module) -> None:
+    """Remove the forward hooks transformers 5 installs the first time a model returns hidden states.
+
+    They are local functions, which cannot be pickled (``ddp_spawn`` pickles the module and with it
+    the target); transformers installs them again on the next forward that needs them.
+    """
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__qualname__", "").endswith("output_capturing_hook"):
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+        if getattr(module, "_output_capturing_hooks_installed", False):
+            module._output_capturing_hooks_installed = False
+
+
+
 def _accepts(fn: Callable, name: str) -> bool:
     try:
         return name in inspect.signature(fn).parameters
@@ -208,6 +225,10 @@ class DrafterLightningModule(L.LightningModule):
         self.num_anchors, self.val_anchor_chunk, self.seed = num_anchors, val_anchor_chunk, seed
         self._logits_to_keep = _accepts(target.forward, "logits_to_keep")
         self._val_sums: dict[str, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        strip_output_capturing_hooks(self.target)  # picklable for ddp_spawn
+        return super().__getstate__()
 
     # ---- helpers -------------------------------------------------------------------------------
 

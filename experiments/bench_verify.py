@@ -93,15 +93,17 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def timed(fn, repeats: int):
-    """Run ``fn`` once to warm up, then ``repeats`` times; return (last result, fastest seconds)."""
-    result = fn()
-    best = float("inf")
+def timed_interleaved(contenders: dict, repeats: int) -> tuple[dict, dict]:
+    """Run every contender once to warm up, then ``repeats`` rounds in turn (so that load from other
+    processes hits all of them alike); return ({name: last result}, {name: fastest seconds})."""
+    results = {name: fn() for name, fn in contenders.items()}
+    best = dict.fromkeys(contenders, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return result, best
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return results, best
 
 
 def main(argv=None) -> dict:
@@ -147,13 +149,17 @@ def main(argv=None) -> dict:
         return run
 
     total_new = len(prompts) * new
-    hf_assisted_tokens, hf_assisted_time = timed(hf_assisted, args.repeats)
-    hf_greedy_tokens, hf_greedy_time = timed(hf_greedy, args.repeats)
+    contenders = {"hf_assisted": hf_assisted, "hf_greedy": hf_greedy}
+    for batch_size in args.batch_sizes:
+        contenders[f"spec_{batch_size}"] = ours(batch_size)
+        contenders[f"target_{batch_size}"] = target_only(batch_size)
+    outputs, seconds = timed_interleaved(contenders, args.repeats)
+    hf_assisted_tokens, hf_greedy_tokens = outputs["hf_assisted"], outputs["hf_greedy"]
     results = {"batch": {}}
     reference = None
     for batch_size in args.batch_sizes:
-        spec_outs, spec_time = timed(ours(batch_size), args.repeats)
-        target_outs, target_time = timed(target_only(batch_size), args.repeats)
+        spec_outs, spec_time = outputs[f"spec_{batch_size}"], seconds[f"spec_{batch_size}"]
+        target_outs, target_time = outputs[f"target_{batch_size}"], seconds[f"target_{batch_size}"]
         spec_tokens = [t for out in spec_outs for t in out.new_tokens]
         target_tokens = [t for out in target_outs for t in out.new_tokens]
         counts = [c for out in spec_outs for c in out.accepted_counts]
@@ -172,6 +178,7 @@ def main(argv=None) -> dict:
             "identical_to_hf_greedy": sum(a == b for a, b in zip(spec_tokens, hf_greedy_tokens)),
             "identical_to_batch_1": sum(a == b for a, b in zip(spec_tokens, reference)),
         }
+    hf_assisted_time, hf_greedy_time = seconds["hf_assisted"], seconds["hf_greedy"]
     first = results["batch"][str(args.batch_sizes[0])]
     results.update({
         "config": vars(args),

@@ -141,8 +141,8 @@ def evaluate_suite(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     gen_spec = torch.Generator(device=device).manual_seed(stable_seed(seed, suite, float(temperature)))
     gen_target = torch.Generator(device=device).manual_seed(stable_seed(seed, suite, float(temperature), "target"))
-    decode_kwargs = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k, top_p=top_p,
-                         eos_token_id=eos, pad_token_id=pad_id)
+    decode_kwargs = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_k": top_k,
+                     "top_p": top_p, "eos_token_id": eos, "pad_token_id": pad_id}
 
     answers: list[list[str]] = [[] for _ in prompts]  # the model's own answers, fed back before later turns
     turns: list[list[dict]] = [[] for _ in prompts]  # per prompt, per turn: new_tokens, steps, accepted_counts
@@ -290,7 +290,7 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 def git_commit() -> str | None:
     """``git rev-parse HEAD`` of the source tree, or None outside a git checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None

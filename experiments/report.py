@@ -100,7 +100,8 @@ def loss_choice(run_dir: str | Path) -> str | None:
 def training_run_info(run_dir: str | Path) -> dict | None:
     """``{run_dir, loss, name, seed}`` of a training run dir (one with train_summary.json or .hydra/)."""
     run_dir = Path(run_dir)
-    if not ((run_dir / "train_summary.json").is_file() or (run_dir / ".hydra" / "config.yaml").is_file()):
+    markers = [run_dir / "train_summary.json", run_dir / ".hydra" / "config.yaml", run_dir / ".hydra" / "hydra.yaml"]
+    if not any(m.is_file() for m in markers):
         return None
     config = _read_yaml(run_dir / ".hydra" / "config.yaml")
     config = config if isinstance(config, dict) else {}
@@ -166,15 +167,16 @@ def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -
         except json.JSONDecodeError as e:
             raise ValueError(f"{f}: not valid JSON ({e})") from e
         if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
-            raise ValueError(f"{f}: not an experiments.evaluate results.json (no `results` mapping)")
+            raise TypeError(f"{f}: not an experiments.evaluate results.json (no `results` mapping)")
         docs.append(doc)
     if names is not None:
         labels = list(names)
     else:
         auto = [_auto_name(f, d) for f, d in zip(files, docs)]
-        labels = [a[0] for a in auto]
+        plain = [a[0] for a in auto]
+        labels = list(plain)
         for i, (name, seed) in enumerate(auto):  # disambiguate repeats (e.g. seeds of one loss)
-            if labels.count(name) > 1:
+            if plain.count(name) > 1:
                 labels[i] = f"{name}-s{seed}" if seed is not None else f"{name} ({files[i].parent.name})"
     for i, label in enumerate(labels):
         if labels.count(label) > 1:
@@ -393,13 +395,13 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
     names = [c["name"] for c in report["configurations"]]
     base = report["baseline"]
     lines = ["# blockdraft: accepted length per configuration", ""]
-    lines += ["τ = new tokens kept per target verification step (bonus token counted), pooled over a suite's "
-              "prompts (both MT-Bench turns included); `mean` = unweighted mean over the suites. Intervals: 95% "
-              f"percentile bootstrap over prompts ({report['num_bootstrap']} resamples)."]
+    lines.append("τ = new tokens kept per target verification step (bonus token counted), pooled over a suite's "
+                 "prompts (both MT-Bench turns included); `mean` = unweighted mean over the suites. Intervals: "
+                 f"95% percentile bootstrap over prompts ({report['num_bootstrap']} resamples).")
     if base is not None:
-        lines += ["", f"Gain = τ / τ({base}) − 1, with the 95% interval of the ratio from paired resampling of "
-                      f"the prompts both configurations evaluated. {OVERLAP_MARK} marks a gain whose τ interval "
-                      f"overlaps the {base} interval."]
+        lines += ["", (f"Gain = τ / τ({base}) − 1, with the 95% interval of the ratio from paired resampling "
+                       f"of the prompts both configurations evaluated. {OVERLAP_MARK} marks a gain whose τ "
+                       f"interval overlaps the {base} interval.")]
     lines += ["", "Configurations:", ""]
     lines += [f"- **{c['name']}**: `{c['results_path']}`" + (f" (drafter `{c['drafter_path']}`)"
                                                               if c.get("drafter_path") else "")
@@ -419,7 +421,9 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
         lines += _table(["configuration", *speed_cols],
                         [[n, *(_fmt_speed(report["table"][key][s].get(n)) for s in speed_cols)] for n in names])
     if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        lines += ["", "## Plots"]
+        for p in plots:
+            lines += ["", f"![{Path(p).stem}]({Path(p).name})"]
     return "\n".join(lines) + "\n"
 
 
@@ -461,10 +465,11 @@ def plot_tau(report: dict, path: Path) -> Path:
     colors = _colors(names)
     keys = list(report["temperatures"])
     ncols = max(len(report["table"][k]) for k in keys)
-    fig, axes = plt.subplots(1, len(keys), figsize=(max(4.5, 1.1 * ncols * max(1, len(names) / 3) + 1.5) * len(keys),
-                                                    4.6), squeeze=False, sharey=True, layout="constrained")
+    width_in = min(16.0, max(6.5, 1.5 + ncols * (0.25 * len(names) + 0.5)))
+    fig, axes = plt.subplots(len(keys), 1, figsize=(width_in, 3.3 * len(keys) + 1.2), squeeze=False,
+                             sharey=True, layout="constrained")
     width = 0.8 / len(names)
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes[:, 0], keys):
         columns = list(report["table"][key])
         for j, name in enumerate(names):
             xs, ys, err = [], [], [[], []]
@@ -481,12 +486,12 @@ def plot_tau(report: dict, path: Path) -> Path:
             ax.bar(xs, ys, width, yerr=err, capsize=3, color=colors[name], label=name, edgecolor="black",
                    linewidth=0.5, error_kw={"elinewidth": 1})
         ax.set_xticks(range(len(columns)), columns)
-        ax.set_xlabel("suite")
+        ax.set_ylabel("τ (tokens / step)")
         ax.set_title(f"temperature {report['temperatures'][key]:g}")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
-    axes[0][0].set_ylabel("τ: tokens per verification step")
-    fig.suptitle("Accepted length τ per suite (bars: 95% bootstrap CI)")
+    axes[-1, 0].set_xlabel("suite")
+    fig.suptitle("Accepted length τ per suite (error bars: 95% bootstrap CI over prompts)")
     _legend(fig, axes, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -503,29 +508,46 @@ def _curve_grid(report: dict, title: str):
     return plt, fig, axes, keys, suites
 
 
-def plot_position_acceptance(report: dict, path: Path) -> Path:
-    """a_k = P(slot k accepted | slots < k accepted) vs k, one line per configuration; suites x temperatures."""
+def plot_position_acceptance(report: dict, path: Path, min_steps: int = 10) -> Path:
+    """a_k = P(slot k accepted | slots < k accepted) vs k, one line per configuration; suites x temperatures.
+
+    Points estimated from fewer than ``min_steps`` verification steps reaching slot k are left out
+    (their a_k is 0 or 1 by chance).
+    """
     names = [c["name"] for c in report["configurations"]]
     colors = _colors(names)
-    plt, fig, axes, keys, suites = _curve_grid(report, "Per-position conditional acceptance")
+    plt, fig, axes, keys, suites = _curve_grid(
+        report, f"Per-position conditional acceptance a_k (points with ≥ {min_steps} steps reaching slot k)")
     for r, key in enumerate(keys):
         for c, suite in enumerate(suites):
-            ax = axes[r][c]
+            ax, k_max = axes[r][c], 1
             for name in names:
-                curve = report["curves"][key].get(suite, {}).get(name, {}).get("position_acceptance")
-                if not curve:
+                curve = report["curves"][key].get(suite, {}).get(name, {})
+                acc, hist = curve.get("position_acceptance"), curve.get("accept_hist")
+                if not acc:
                     continue
-                ks = [k for k, a in enumerate(curve, start=1) if a is not None]
-                ax.plot(ks, [curve[k - 1] for k in ks], marker="o", markersize=3, color=colors[name], label=name)
+                k_max = max(k_max, len(acc))
+                # steps that reached slot k (all drafts before it accepted) = steps keeping >= k - 1 drafts
+                reached = [sum(hist[k - 1:]) if hist else min_steps for k in range(1, len(acc) + 1)]
+                ks = [k for k, a in enumerate(acc, start=1) if a is not None and reached[k - 1] >= min_steps]
+                ax.plot(ks, [acc[k - 1] for k in ks], marker="o", markersize=3, color=colors[name], label=name)
             ax.set_ylim(0, 1.05)
+            ax.set_xlim(0.5, k_max + 0.5)
             ax.set_title(f"{suite}, T={report['temperatures'][key]:g}")
             ax.set_xlabel("draft position k")
             ax.set_ylabel("a_k")
+            ax.xaxis.set_major_locator(_integer_locator())
             ax.grid(alpha=0.3)
     _legend(fig, axes, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _integer_locator():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 def plot_accept_hist(report: dict, path: Path) -> Path:
@@ -543,8 +565,10 @@ def plot_accept_hist(report: dict, path: Path) -> Path:
                     continue
                 xs = np.arange(len(hist)) - 0.4 + width * (j + 0.5)
                 ax.bar(xs, np.asarray(hist) / sum(hist), width, color=colors[name], label=name)
+                ax.set_xlim(-0.6, len(hist) - 0.4)
             ax.set_title(f"{suite}, T={report['temperatures'][key]:g}")
             ax.set_xlabel("drafts accepted in the step")
+            ax.xaxis.set_major_locator(_integer_locator())
             ax.set_ylabel("share of steps")
             ax.grid(axis="y", alpha=0.3)
             ax.set_axisbelow(True)

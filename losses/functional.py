@@ -136,10 +136,10 @@ class _SlotStatsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, probs, accept, chunk):  # (R, V), (R,), (R, V) | None
         ctx.set_materialize_grads(False)
-        R, V = logits.shape
+        R, _V = logits.shape
         cdtype = _compute_dtype(logits.dtype)
         tiny = _tiny(cdtype)
-        new = lambda n: torch.empty(n, dtype=cdtype, device=logits.device)  # noqa: E731
+        new = lambda n: torch.empty(n, dtype=cdtype, device=logits.device)
         lse, argmax = new(R), torch.empty(R, dtype=torch.long, device=logits.device)
         soft_ce = new(R if probs is not None else 0)
         log_accept = new(R if accept else 0)
@@ -184,7 +184,7 @@ class _SlotStatsFunction(torch.autograd.Function):
             g_acc = None
         if g_nll is None and g_soft is None and g_acc is None:
             return None, None, None, None, None
-        R, V = logits.shape
+        R, _V = logits.shape
         cdtype = lse.dtype
         tiny = _tiny(cdtype)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -265,7 +265,7 @@ def slot_statistics(
     nll, soft_ce, log_accept, argmax = _SlotStatsFunction.apply(
         flat, labels.reshape(-1), probs, accept, chunk
     )
-    zero = lambda t: torch.where(mask, t.view(N, K), 0.0)  # noqa: E731
+    zero = lambda t: torch.where(mask, t.view(N, K), 0.0)
     return SlotStats(
         nll=zero(nll),
         soft_ce=zero(soft_ce) if target_probs is not None else None,

@@ -135,7 +135,7 @@ class AcceptanceAlignedLoss(nn.Module):
         if not self.soft and target_probs is not None:
             raise ValueError("target_probs given but soft=False; set soft=True to train on soft labels")
         labels, mask = LF.check_inputs(logits, labels, mask, target_probs)
-        N, K, V = logits.shape
+        N, K, _V = logits.shape
         use_focal, use_chain = self.focal_weight > 0, self.chain_weight > 0
         # The acceptance probability a_k is needed by the chain, D-PACE and a focal factor with φ > 0.
         need_accept = use_chain or self.dpace or (use_focal and self.focal_gamma > 0)

@@ -165,6 +165,41 @@ def test_greedy_with_perfect_and_unrelated_drafters(family, kind):
         assert out.tau == pytest.approx(21 / 5)
 
 
+def test_greedy_through_verify_block(monkeypatch):
+    """The temperature-0 fast path (verify_greedy) and verify_block on one-hot p agree end to end."""
+    target = tiny_target("qwen2", vocab_size=64, seed=1)
+    input_ids, attention_mask = left_padded_prompts([5, 2, 9], 64)
+    kwargs = {"attention_mask": attention_mask, "max_new_tokens": 19, "eos_token_id": 2}
+    fast = speculative_generate(target, make_drafter("truncated", target, "qwen2", 3), input_ids, **kwargs)
+
+    def via_verify_block(draft_tokens, target_logits):
+        return generate_module.verify_block(draft_tokens, None, warp_probs(target_logits, 0.0))
+
+    monkeypatch.setattr(generate_module, "verify_greedy", via_verify_block)
+    slow = speculative_generate(target, make_drafter("truncated", target, "qwen2", 3), input_ids, **kwargs)
+    assert slow.new_tokens == fast.new_tokens and slow.accepted_counts == fast.accepted_counts
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_one_token_prompts(family):
+    """Prompts that are only an anchor: no prefill, the drafter starts from an empty context."""
+    target = tiny_target(family, vocab_size=64, seed=1)
+    check_greedy(target, make_drafter("truncated", target, family, 3), [1, 1], max_new_tokens=12)
+    check_greedy(target, make_drafter("hidden", target, family, 3), [1], max_new_tokens=12)
+
+
+def test_sliding_window_target_is_refused():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0)
+    target = Qwen2ForCausalLM(config).eval()
+    input_ids, _ = left_padded_prompts([4], 64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        target_generate(target, input_ids, max_new_tokens=3)
+
+
 def test_target_generate_matches_hf_generate():
     target = tiny_target("llama", vocab_size=64, seed=1)
     input_ids, attention_mask = left_padded_prompts([5, 2, 9], 64)
@@ -232,7 +267,7 @@ def test_hidden_state_drafter(family, K):
 VOCAB = 8
 LENGTH = 3
 PROMPTS = ([5, 3, 6, 4], [7, 3])  # rows alternate between them (left padding in the batch)
-ROWS_PER_PROMPT = 6000
+ROWS_PER_PROMPT = 4000
 
 
 def exact_distribution(target, prompt, temperature, top_k, top_p, eos_token_id=None):

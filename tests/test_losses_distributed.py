@@ -18,11 +18,11 @@ from losses import AcceptanceAlignedLoss
 N, K, V, H = 8, 5, 11, 6
 SPLIT = 3  # rank 0 gets blocks [0, 3), rank 1 gets [3, 8): uneven, with different mask counts
 CONFIGS = {
-    "uniform": dict(),
-    "l2r_all": dict(gamma=7.0, focal_weight=0.3, focal_gamma=2.0, chain_weight=40.0),
-    "focal_errors": dict(focal_weight=1.0, focal_norm="errors"),
-    "dpace": dict(dpace=True, chain_weight=5.0),
-    "soft_all": dict(gamma=7.0, focal_weight=0.3, focal_gamma=2.0, chain_weight=40.0, soft=True),
+    "uniform": {},
+    "l2r_all": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0},
+    "focal_errors": {"focal_weight": 1.0, "focal_norm": "errors"},
+    "dpace": {"dpace": True, "chain_weight": 5.0},
+    "soft_all": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0, "soft": True},
 }
 
 
@@ -103,7 +103,7 @@ def test_partition_invariance(results, name):
 
 
 def test_problem_has_blocks_with_and_without_errors():
-    features, labels, mask, probs, head = make_problem()
+    features, labels, mask, _probs, head = make_problem()
     from losses import first_error_index
 
     j = first_error_index(head(features), labels, mask)

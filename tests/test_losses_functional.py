@@ -74,7 +74,7 @@ def test_positional_weights_errors(args, match):
 def test_slot_statistics_match_reference(chunk_size):
     logits, labels, mask, probs = random_batch()
     logits.requires_grad_(True)
-    N, K, V = logits.shape
+    N, K, _V = logits.shape
     g_nll, g_soft, g_acc = torch.randn(3, N, K, generator=torch.Generator().manual_seed(1))
     for accept in ("greedy", "sample"):
         stats = slot_statistics(logits, labels, mask, probs, accept=accept, chunk_size=chunk_size)

@@ -21,7 +21,7 @@ from losses import (
 )
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "loss"
-L2R_ALL = dict(gamma=7.0, focal_weight=0.3, focal_gamma=2.0, chain_weight=40.0)
+L2R_ALL = {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0}
 
 
 def batch(N=8, K=6, V=5, seed=0, dtype=torch.float32):
@@ -168,7 +168,7 @@ def test_soft_greedy():
 def test_soft_sample_and_gradcheck():
     logits, labels, mask, probs = batch(N=5, K=4, V=4, dtype=torch.float64)
     module = AcceptanceAlignedLoss(**L2R_ALL, soft=True, draft_sampling="sample")
-    loss, comps = module(logits, labels, mask, probs)
+    _loss, comps = module(logits, labels, mask, probs)
     log_a = torch.minimum(probs, logits.softmax(-1)).sum(-1).log()
     torch.testing.assert_close(comps["chain"], chain_reward(log_a, mask)[mask.any(-1)].mean().detach())
     assert torch.autograd.gradcheck(lambda x: module(x, labels, mask, probs)[0], (logits,))
@@ -198,9 +198,9 @@ def test_soft_argument_errors():
 
 
 CONFIGS = [
-    dict(),
+    {},
     L2R_ALL,
-    dict(focal_weight=0.3, focal_gamma=0.5, chain_weight=40.0, dpace=True),
+    {"focal_weight": 0.3, "focal_gamma": 0.5, "chain_weight": 40.0, "dpace": True},
     dict(**L2R_ALL, soft=True),
     dict(**L2R_ALL, soft=True, draft_sampling="sample"),
 ]
@@ -231,7 +231,7 @@ def test_extreme_logits_stay_finite(cfg):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_bf16_autocast(cfg):
-    logits, labels, mask, probs = batch(V=16)
+    _logits, labels, mask, probs = batch(V=16)
     hidden = torch.randn(8, 6, 12, generator=torch.Generator().manual_seed(3))
     head = torch.nn.Linear(12, 16)
     module = AcceptanceAlignedLoss(**cfg)
@@ -239,7 +239,7 @@ def test_bf16_autocast(cfg):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x = head(hidden)
         assert x.dtype == torch.bfloat16
-        loss, comps = module(x, labels, mask, tp)
+        loss, _comps = module(x, labels, mask, tp)
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     # computed in float32 from the bf16 logits, and close to the all-float32 loss
@@ -250,14 +250,14 @@ def test_bf16_autocast(cfg):
 
 def test_bad_options_name_the_key():
     for kwargs, key in [
-        (dict(schedule="cosine"), "schedule"),
-        (dict(gamma=-1.0), "gamma"),
-        (dict(focal_weight=-0.1), "focal_weight"),
-        (dict(chain_weight=-1.0), "chain_weight"),
-        (dict(focal_norm="tokens"), "focal_norm"),
-        (dict(draft_sampling="beam"), "draft_sampling"),
-        (dict(dpace_alpha=2.0), "dpace_alpha"),
-        (dict(chunk_size=0), "chunk_size"),
+        ({"schedule": "cosine"}, "schedule"),
+        ({"gamma": -1.0}, "gamma"),
+        ({"focal_weight": -0.1}, "focal_weight"),
+        ({"chain_weight": -1.0}, "chain_weight"),
+        ({"focal_norm": "tokens"}, "focal_norm"),
+        ({"draft_sampling": "beam"}, "draft_sampling"),
+        ({"dpace_alpha": 2.0}, "dpace_alpha"),
+        ({"chunk_size": 0}, "chunk_size"),
     ]:
         with pytest.raises(ValueError, match=key):
             AcceptanceAlignedLoss(**kwargs)
@@ -268,15 +268,15 @@ def test_bad_options_name_the_key():
 
 
 EXPECTED = {
-    "uniform": dict(gamma=None, focal_weight=0.0, chain_weight=0.0, dpace=False, soft=False),
-    "decay": dict(gamma=7.0, focal_weight=0.0, chain_weight=0.0),
-    "focal": dict(gamma=None, focal_weight=0.3, focal_gamma=2.0, chain_weight=0.0),
-    "chain": dict(gamma=None, focal_weight=0.0, chain_weight=40.0),
-    "decay_focal": dict(gamma=7.0, focal_weight=0.3, focal_gamma=2.0, chain_weight=0.0),
-    "l2r_all": dict(gamma=7.0, focal_weight=0.3, focal_gamma=2.0, chain_weight=40.0, soft=False),
-    "dpace": dict(gamma=None, dpace=True, dpace_alpha=0.5, focal_weight=0.0, chain_weight=0.0),
-    "soft_all": dict(gamma=7.0, focal_weight=0.3, focal_gamma=2.0, chain_weight=40.0, soft=True,
-                     draft_sampling="greedy"),
+    "uniform": {"gamma": None, "focal_weight": 0.0, "chain_weight": 0.0, "dpace": False, "soft": False},
+    "decay": {"gamma": 7.0, "focal_weight": 0.0, "chain_weight": 0.0},
+    "focal": {"gamma": None, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 0.0},
+    "chain": {"gamma": None, "focal_weight": 0.0, "chain_weight": 40.0},
+    "decay_focal": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 0.0},
+    "l2r_all": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0, "soft": False},
+    "dpace": {"gamma": None, "dpace": True, "dpace_alpha": 0.5, "focal_weight": 0.0, "chain_weight": 0.0},
+    "soft_all": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0, "soft": True,
+                     "draft_sampling": "greedy"},
 }
 
 
@@ -296,3 +296,22 @@ def test_loss_configs_instantiate(name):
 
 def test_every_config_file_is_tested():
     assert {p.stem for p in CONF.glob("*.yaml")} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_saves_no_full_size_tensor_of_its_own(cfg):
+    """Memory: autograd keeps only the caller's logits (and p) at full (N, K, V) size, no copies."""
+    logits, labels, mask, probs = batch(V=64)
+    big = logits.numel()
+    saved = []
+
+    def pack(t):
+        saved.append((t.numel(), t.data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = AcceptanceAlignedLoss(**cfg, chunk_size=16)(logits, labels, mask,
+                                                              probs if cfg.get("soft") else None)
+    own = [n for n, ptr in saved if n >= big and ptr not in (logits.data_ptr(), probs.data_ptr())]
+    assert own == [] and any(ptr == logits.data_ptr() for _, ptr in saved)
+    loss.backward()

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from verify import sample_tokens, verify_block, warp_probs
+from verify import sample_tokens, verify_block, verify_greedy, warp_probs
 
 
 def random_probs(*shape, seed=0, sharpness=2.0):
@@ -185,3 +185,23 @@ def test_verify_block_shape_errors():
         verify_block(torch.zeros(2, 2, dtype=torch.long), random_probs(2, 2, 4), p)
     with pytest.raises(ValueError, match=r"\[0, 5\)"):
         verify_block(torch.full((2, 2), 5, dtype=torch.long), None, p)
+
+
+def test_verify_greedy_equals_verify_block_at_temperature_zero():
+    B, K, V = 300, 4, 6
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, K + 1, V, generator=generator)
+    greedy = logits.argmax(-1)
+    # Drafts that follow the target's argmax for a random number of slots, then deviate.
+    drafts = torch.randint(0, V, (B, K), generator=generator)
+    follow = torch.rand(B, K, generator=generator) < 0.7
+    drafts = torch.where(follow, greedy[:, :K], drafts)
+    expected = verify_block(drafts, None, warp_probs(logits, 0.0), generator)
+    q = random_probs(B, K, V, seed=9)  # any q gives the same result when p is one-hot
+    assert all(torch.equal(a, b) for a, b in zip(verify_greedy(drafts, logits), expected))
+    assert all(torch.equal(a, b) for a, b in zip(verify_block(drafts, q, warp_probs(logits, 0.0)), expected))
+    assert 0 < expected[0].float().mean() < K
+    bad = logits.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        verify_greedy(drafts, bad)

@@ -10,7 +10,7 @@ from verify.metrics import (
     tau_macro,
     tau_micro,
 )
-from verify.rejection import sample_tokens, verify_block, warp_probs
+from verify.rejection import sample_tokens, verify_block, verify_greedy, warp_probs
 
 __all__ = [
     "AssistantDrafter",
@@ -29,5 +29,6 @@ __all__ = [
     "tau_micro",
     "truncated_copy",
     "verify_block",
+    "verify_greedy",
     "warp_probs",
 ]

@@ -94,6 +94,23 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
+def new_kv_cache(model: torch.nn.Module):
+    """An empty ``DynamicCache`` for ``model``, checked to support the column layout.
+
+    Sliding-window and linear-attention layers are refused: their caches cannot be rolled back
+    after a rejection, and a window over columns (holes included) is not the model's window.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if any(cache.is_sliding) or any(getattr(cache, "is_linear", [])) or not cache.is_croppable:
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window or linear-attention cache layers, which the "
+            "speculative verifier cannot crop; use a model with full attention in every layer"
+        )
+    return cache
+
+
 class AssistantDrafter:
     """Any Hugging Face causal LM used as an autoregressive drafter (K forwards per step).
 
@@ -120,10 +137,8 @@ class AssistantDrafter:
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
-        from transformers import DynamicCache
-
         device = next(self.model.parameters()).device
-        self._cache = DynamicCache(config=self.model.config)
+        self._cache = new_kv_cache(self.model)
         self._mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, C) cached columns
         self._pending_ids = self._mask.clone()  # (B, P) committed-or-hole columns not run yet
         self._pending_mask = self._mask.clone()  # (B, P)

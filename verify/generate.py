@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify.drafter import Drafter, max_positions, output_vocab_size
+from verify.drafter import Drafter, max_positions, new_kv_cache, output_vocab_size
 from verify.metrics import summarize
-from verify.rejection import verify_block, warp_probs
+from verify.rejection import verify_block, verify_greedy, warp_probs
 
 
 @dataclass
@@ -83,7 +83,8 @@ def _check_inputs(target, input_ids, attention_mask, max_new_tokens, vocab_size)
         raise ValueError(f"empty prompt: rows {torch.nonzero(lengths == 0).flatten().tolist()} have no tokens")
     if (attention_mask[:, -1] == 0).any() or (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
         raise ValueError("attention_mask must be left-padded (zeros, then ones) and end in a token on every row")
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+    tokens = input_ids[attention_mask.bool()]
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the target's vocabulary)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -111,8 +112,6 @@ def _decode(
     target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator
 ) -> _Decoded:
     start = time.perf_counter()
-    from transformers import DynamicCache
-
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
     num_drafts = drafter.num_draft_tokens if drafter is not None else 0
@@ -136,7 +135,7 @@ def _decode(
         return out.logits, hidden
 
     # Prefill x_1..x_{t-1}; x_t is every row's anchor (the prompt is left-padded).
-    cache = DynamicCache(config=target.config)
+    cache = new_kv_cache(target)
     mask = attention_mask[:, :-1]  # (B, C) the target cache's columns: 1 committed, 0 hole
     prefix_pos = (mask.cumsum(dim=1) - 1).clamp_min(0)  # (B, C)
     hidden = None
@@ -179,8 +178,11 @@ def _decode(
         block_mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # (B, C + W + 1)
         logits, hidden = run_target(block, block_mask, anchor_pos.unsqueeze(1) + slots)
         num_forwards += 1
-        p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
-        num_accepted, next_token = verify_block(drafts, q, p, generator)  # (B,), (B,)
+        if temperature == 0:  # same result as verify_block on one-hot p, without sampling
+            num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)
+        else:
+            p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
+            num_accepted, next_token = verify_block(drafts, q, p, generator)  # (B,), (B,)
 
         # Emitted tokens d_1..d_n, next; truncated at the first EOS and at the row's budget.
         emitted = torch.cat([drafts, drafts.new_zeros(live, 1)], dim=1)  # (B, W + 1)

@@ -105,8 +105,12 @@ def bootstrap_ci(
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(new), size=(n_boot, len(new)))  # (n_boot, N)
-    taus = new[picks].sum(axis=1) / steps[picks].sum(axis=1)  # (n_boot,)
+    chunk = max(1, 2**20 // len(new))  # resamples per chunk: bounds memory for large suites
+    taus = []
+    for start in range(0, n_boot, chunk):
+        picks = rng.integers(0, len(new), size=(min(chunk, n_boot - start), len(new)))  # (chunk, N)
+        taus.append(new[picks].sum(axis=1) / steps[picks].sum(axis=1))  # (chunk,)
+    taus = np.concatenate(taus)  # (n_boot,)
     low, high = np.quantile(taus, [alpha / 2, 1 - alpha / 2])
     return float(low), float(high)
 

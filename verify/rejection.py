@@ -145,3 +145,27 @@ def verify_block(
     residual_empty = residual.sum(dim=-1, keepdim=True) <= 0
     weights = torch.where(residual_empty, p_next, residual)
     return num_accepted, sample_tokens(weights, generator)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,  # (B, K) long
+    target_logits: torch.Tensor,  # (B, K + 1, V)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) num_accepted, (B,) next_token
+    """:func:`verify_block` at temperature 0, without building one-hot distributions or sampling.
+
+    With p_k one-hot at the target's argmax g_k, d_k is accepted iff d_k = g_{k-1} (whatever q is),
+    and the correction or bonus token is g_n. Same results as
+    ``verify_block(draft_tokens, q, warp_probs(target_logits, 0.0))`` for any q that drew the drafts.
+    """
+    if draft_tokens.ndim != 2 or target_logits.ndim != 3 or target_logits.shape[:2] != (
+        draft_tokens.shape[0], draft_tokens.shape[1] + 1
+    ):
+        raise ValueError(
+            f"expected draft_tokens (B, K) and target_logits (B, K + 1, V), got {tuple(draft_tokens.shape)} "
+            f"and {tuple(target_logits.shape)}"
+        )
+    _check_finite(target_logits)
+    greedy = target_logits.argmax(dim=-1)  # (B, K + 1)
+    matches = (draft_tokens == greedy[:, :-1]).long()  # (B, K)
+    num_accepted = matches.cumprod(dim=-1).sum(dim=-1)  # (B,)
+    return num_accepted, greedy.gather(1, num_accepted.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,137 @@
+"""Benchmark: forward+backward time of each conf/loss config relative to uniform cross-entropy.
+
+    python -m experiments.bench_losses [--out runs/bench_losses.json] [--repeats 7]
+
+For every vocabulary size (default 8192 and 4096, the embedded target's) it builds one batch of
+N = 512 blocks of K = 15 slots and times, interleaved over configs and repeated, two steps:
+
+* ``loss``: the loss on leaf logits (N, K, V), forward + backward to the logits;
+* ``step``: a frozen LM head (hidden H -> V, as the drafter shares the target's head) plus the loss,
+  forward + backward to the hidden states: the part of a training step that scales with V.
+
+Each time is the median over repeats; ratios are against the ``uniform`` config (our chunked CE) and
+against ``torch.nn.functional.cross_entropy`` (``torch_ce``) on the same tensors. A plain argparse
+script, not a Hydra entry point: it sweeps every loss config itself and writes one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import hydra.utils
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "loss"
+
+
+def make_batch(N: int, K: int, V: int, H: int, seed: int = 0):
+    """Hidden states, a frozen head, labels the head often gets right, prefix masks, soft labels."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, K, H, generator=g)
+    head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) / H**0.5 * 3)
+        logits = head(hidden)  # (N, K, V)
+        # labels: the argmax for ~70% of slots, a random token otherwise
+        labels = torch.where(torch.rand(N, K, generator=g) < 0.7, logits.argmax(-1),
+                             torch.randint(0, V, (N, K), generator=g))
+        lengths = torch.where(torch.rand(N, generator=g) < 0.9, K, torch.randint(1, K + 1, (N,), generator=g))
+        mask = torch.arange(K)[None, :] < lengths[:, None]  # (N, K), ~10% of blocks padded
+        probs = torch.softmax(logits + torch.randn(N, K, V, generator=g), -1)  # (N, K, V)
+    return hidden, head, logits, torch.where(mask, labels, -100), mask, probs
+
+
+def torch_ce(logits, labels, mask, target_probs=None):
+    """Reference: masked mean cross-entropy with PyTorch's fused kernel."""
+    V = logits.shape[-1]
+    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100), {}
+
+
+def time_once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_vocab(losses: dict, N: int, K: int, V: int, H: int, repeats: int) -> dict:
+    hidden, head, logits, labels, mask, probs = make_batch(N, K, V, H)
+    leaf = logits.clone().requires_grad_(True)
+    hid = hidden.clone().requires_grad_(True)
+
+    def loss_step(loss_fn, soft):
+        leaf.grad = None
+        loss, _ = loss_fn(leaf, labels, mask, probs if soft else None)
+        loss.backward()
+
+    def full_step(loss_fn, soft):
+        hid.grad = None
+        loss, _ = loss_fn(head(hid), labels, mask, probs if soft else None)
+        loss.backward()
+
+    times = {name: {"loss": [], "step": []} for name in losses}
+    for rep in range(repeats + 1):  # the first round warms up and is dropped
+        for name, loss_fn in losses.items():
+            soft = bool(getattr(loss_fn, "soft", False))
+            for kind, step in (("loss", loss_step), ("step", full_step)):
+                t = time_once(lambda step=step, loss_fn=loss_fn, soft=soft: step(loss_fn, soft))
+                if rep > 0:
+                    times[name][kind].append(t)
+    out = {}
+    for name, kinds in times.items():
+        row = {}
+        for kind, ts in kinds.items():
+            med = statistics.median(ts)
+            row[f"{kind}_ms"] = round(med * 1000, 1)
+            row[f"{kind}_vs_uniform"] = round(med / statistics.median(times["uniform"][kind]), 3)
+            row[f"{kind}_vs_torch_ce"] = round(med / statistics.median(times["torch_ce"][kind]), 3)
+            row[f"{kind}_spread_ms"] = round((max(ts) - min(ts)) * 1000, 1)
+        out[name] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("BLOCKDRAFT_RUNS", "runs"), "bench_losses.json"))
+    parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--slots", type=int, default=15)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[8192, 4096])
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the frozen head in 'step'")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    losses = {"torch_ce": torch_ce}
+    for path in sorted(CONF.glob("*.yaml")):
+        losses[path.stem] = hydra.utils.instantiate(OmegaConf.load(path))
+    result = {
+        "setup": {"blocks": args.blocks, "slots": args.slots, "hidden": args.hidden, "repeats": args.repeats,
+                  "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "machine": platform.processor() or platform.machine(), "load_avg": os.getloadavg()},
+        "results": {},
+    }
+    for V in args.vocab:
+        table = bench_vocab(losses, args.blocks, args.slots, V, args.hidden, args.repeats)
+        result["results"][str(V)] = table
+        print(f"\nV={V}  (median ms; ratio vs uniform config / vs torch F.cross_entropy)")
+        print(f"{'config':<12} {'loss ms':>8} {'x unif':>7} {'x torch':>8}   {'step ms':>8} {'x unif':>7} {'x torch':>8}")
+        for name, r in table.items():
+            print(f"{name:<12} {r['loss_ms']:>8} {r['loss_vs_uniform']:>7} {r['loss_vs_torch_ce']:>8}   "
+                  f"{r['step_ms']:>8} {r['step_vs_uniform']:>7} {r['step_vs_torch_ce']:>8}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

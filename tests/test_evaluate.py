@@ -1,0 +1,275 @@
+"""experiments.evaluate: every results.json field, multi-turn feedback, resume after a kill, the Hydra
+entry point, and clear errors. Tiny random target (byte-level BPE tokenizer, vocab 300) and a
+randomly initialised BlockDiffusionDrafter saved to disk and loaded by path."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from conftest import tiny_target
+
+import experiments.evaluate as ev
+from drafters.model import BlockDiffusionDrafter
+from experiments.suites import Prompt
+
+K = 3  # block size 4
+MAX_NEW = 6
+BUDGET = 40  # max_prompt_tokens
+CODE = ["def add(a, b):", "def mul(x, y):\n    \"\"\"Multiply x by y, then check the result: \"\"\"\n" + "    # ok\n" * 30]
+CHAT = [["Hello there, how are you?", "And what is 2 + 3?"], ["Tell me a joke."]]
+
+
+def _tokenizer():
+    from experiments.tokenizer import train_tokenizer
+
+    texts = CODE + [t for turns in CHAT for t in turns] + ["The answer is 5. Fine, thank you."]
+    return train_tokenizer(texts * 10, vocab_size=300, min_frequency=1)
+
+
+def _target(tok, seed=0, hidden_size=32):
+    target = tiny_target(vocab_size=len(tok), max_positions=128, init_range=0.5, seed=seed, hidden_size=hidden_size)
+    for config in (target.config, target.generation_config):
+        config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        config.pad_token_id = tok.pad_token_id
+    return target
+
+
+def _suites():
+    return {
+        "code": [Prompt(f"code/{i}", "code", [t]) for i, t in enumerate(CODE)],
+        "chat": [Prompt(f"chat/{i}", "dialogue", turns) for i, turns in enumerate(CHAT)],
+    }
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A saved target + tokenizer, a saved drafter for it, jsonl suites, and a drafter for another target."""
+    root = tmp_path_factory.mktemp("eval_assets")
+    tok = _tokenizer()
+    target = _target(tok)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    torch.manual_seed(0)
+    BlockDiffusionDrafter.from_target(target, block_size=K + 1).save_pretrained(root / "drafter")
+    BlockDiffusionDrafter.from_target(_target(tok, hidden_size=48), block_size=K + 1).save_pretrained(root / "other")
+    (root / "code.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in CODE))
+    (root / "chat.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in CHAT))
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(assets):
+    """One evaluate() call without Hydra, on both suites at T=0 and T=1, recording every decoding call."""
+    from experiments.target import load_target
+
+    target, tok = load_target(str(assets / "target"))
+    drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
+    calls = []
+
+    def spy(target, drafter, input_ids, *, attention_mask, **kwargs):
+        out = ev_generate(target, drafter, input_ids, attention_mask=attention_mask, **kwargs)
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+        calls.append((kwargs["temperature"], prompts, out.new_tokens))
+        return out
+
+    ev_generate = ev.speculative_generate
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ev, "speculative_generate", spy)
+    try:
+        out = ev.evaluate(target, tok, drafter, _suites(), temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW,
+                          batch_size=2, max_prompt_tokens=BUDGET, num_bootstrap=200, progress=False)
+    finally:
+        mp.undo()
+    return out, tok, calls
+
+
+def test_evaluate_fields(results):
+    out, tok, _ = results
+    assert list(out) == ["code", "chat"] and all(list(v) == ["t0", "t1"] for v in out.values())
+    for suite, entries in out.items():
+        for key, e in entries.items():
+            assert e["suite"] == suite and e["temperature"] == float(key[1:]) and e["K"] == K
+            records = e["prompts"]
+            assert [r["id"] for r in records] == [p.id for p in _suites()[suite]]
+            new = sum(r["new_tokens"] for r in records)
+            steps = sum(r["steps"] for r in records)
+            assert e["new_tokens"] == new and e["target_forwards"] == steps
+            assert e["tau"] == pytest.approx(new / steps)
+            assert e["tau_macro"] == pytest.approx(sum(r["new_tokens"] / r["steps"] for r in records) / len(records))
+            assert e["tau_ci_low"] <= e["tau"] <= e["tau_ci_high"] and 1 <= e["tau"] <= K + 1
+            assert len(e["accept_hist"]) == K + 1 and sum(e["accept_hist"]) == steps
+            assert len(e["position_acceptance"]) == K
+            for r in records:
+                assert len(r["accepted_counts"]) == r["steps"] == sum(r["steps_per_turn"])
+                assert r["new_tokens"] == sum(r["new_tokens_per_turn"]) and len(r["steps_per_turn"]) == r["turns"]
+                assert all(n == MAX_NEW for n in r["new_tokens_per_turn"])  # a random model never emits EOS here
+            assert e["num_turns"] == sum(r["turns"] for r in records)
+            assert e["spec_tokens_per_s"] > 0 and e["target_tokens_per_s"] > 0
+            assert e["speedup"] == pytest.approx(e["spec_tokens_per_s"] / e["target_tokens_per_s"])
+            assert e["target_new_tokens"] == e["num_turns"] * MAX_NEW
+            assert e["greedy_match"] == (1.0 if key == "t0" else None)  # exactness at T=0
+            json.dumps(e)  # serialisable
+    from experiments.suites import encode_prompt
+
+    long = sum(len(encode_prompt(tok, [t], [])) > BUDGET for t in CODE)
+    assert long == 1 and out["code"]["t0"]["truncated_prompts"] == long
+
+
+def test_second_turn_follows_own_answer(results):
+    """Turn 2 is asked after the model's own turn-1 answer from the same speculative run."""
+    from experiments.suites import encode_prompt
+
+    out, tok, calls = results
+    turns = CHAT[0]
+    for temperature in (0.0, 1.0):
+        rounds = [(p, n) for t, ps, ns in calls if t == temperature for p, n in zip(ps, ns)]
+        first = [n for p, n in rounds if p == encode_prompt(tok, turns[:1], [])[-BUDGET:]]
+        assert len(first) == 1
+        answer = tok.decode(first[0], skip_special_tokens=True).strip()
+        second = encode_prompt(tok, turns, [answer])[-BUDGET:]
+        assert answer and sum(p == second for p, _ in rounds) == 1
+        record = out["chat"][ev.temperature_key(temperature)]["prompts"][0]
+        assert record["id"] == "chat/0" and record["turns"] == 2
+    # per (suite, T): code in 1 batch, chat turn 1 in 1 batch and turn 2 in another
+    assert len(calls) == 2 * (1 + 2)
+
+
+def test_logged_metric_names():
+    entry = {"tau": 2.0, "tau_macro": 1.9, "speedup": None, "position_acceptance": [0.5, None]}
+    metrics = ev.logged_metrics("humaneval", "t0", entry)
+    assert metrics == {"eval/humaneval/tau_t0": 2.0, "eval/humaneval/tau_macro_t0": 1.9, "eval/humaneval/a1_t0": 0.5}
+    assert ev.temperature_key(1.0) == "t1" and ev.temperature_key(0.7) == "t0.7"
+
+
+def test_errors(results, assets):
+    from experiments.target import load_target
+
+    target, tok = load_target(str(assets / "target"))
+    drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
+    with pytest.raises(ValueError, match="suite 'code' is empty"):
+        ev.evaluate(target, tok, drafter, {"code": []}, progress=False)
+    with pytest.raises(ValueError, match="no suites"):
+        ev.evaluate(target, tok, drafter, {}, progress=False)
+    with pytest.raises(ValueError, match="exceeds the target's 128 positions"):
+        ev.evaluate(target, tok, drafter, _suites(), max_new_tokens=64, max_prompt_tokens=100, progress=False)
+
+
+# ----------------------------------------------------------------------------- Hydra entry point
+
+
+def _overrides(assets, run_dir, drafter="drafter"):
+    chat = f"{{_target_:experiments.suites.load_jsonl,_convert_:all,path:'{assets / 'chat.jsonl'}'," \
+           "prompt_field:turns,name:chat}"
+    return [
+        "target=hf", f"target.path={assets / 'target'}", f"drafter.path={assets / drafter}",
+        "suite=jsonl", f"suite.jsonl.path={assets / 'code.jsonl'}", "suite.jsonl.prompt_field=turns",
+        f"+suite.chat={chat}", f"max_new_tokens={MAX_NEW}", "batch_size=2", f"max_prompt_tokens={BUDGET}",
+        "num_bootstrap=200", "progress=false",
+    ] + ([f"paths.run_dir={run_dir}"] if run_dir is not None else [])
+
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="evaluate", overrides=overrides)
+
+
+def _untimed(doc):
+    return {s: {k: {f: v for f, v in e.items() if f not in ev.TIMING_KEYS} for k, e in entries.items()}
+            for s, entries in doc["results"].items()}
+
+
+@pytest.fixture(scope="module")
+def hydra_run(assets, tmp_path_factory):
+    """``python -m experiments.evaluate ...`` run in-process through @hydra.main."""
+    runs = tmp_path_factory.mktemp("runs")
+    run_dir = runs / "fresh"
+    argv = ["experiments.evaluate", *_overrides(assets, None), f"hydra.run.dir={run_dir}"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BLOCKDRAFT_RUNS", str(runs))
+    mp.setenv("HYDRA_FULL_ERROR", "1")
+    mp.setattr(sys, "argv", argv)
+    try:
+        ev.main()
+    finally:
+        mp.undo()
+    return run_dir
+
+
+def test_hydra_entry_point(hydra_run, assets):
+    doc = json.loads((hydra_run / "results.json").read_text())
+    assert set(doc) >= {"config", "settings", "drafter", "target", "git_commit", "results"}
+    assert doc["config"]["drafter"]["path"] == str(assets / "drafter")
+    assert doc["config"]["results_path"] == str(hydra_run / "results.json")
+    assert doc["drafter"]["config"]["block_size"] == K + 1
+    assert doc["drafter"]["config"]["target_fingerprint"]["hidden_size"] == 32
+    assert doc["target"] == {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+                             "path": str(assets / "target")}
+    assert doc["git_commit"] is None or len(doc["git_commit"]) == 40
+    assert set(doc["results"]) == {"jsonl", "chat"} and all(set(v) == {"t0", "t1"} for v in doc["results"].values())
+    assert [r["turns"] for r in doc["results"]["chat"]["t1"]["prompts"]] == [2, 1]
+    with open(hydra_run / "logs" / "metrics.csv") as f:
+        header = next(csv.reader(f))
+    assert {"eval/jsonl/tau_t0", "eval/chat/tau_t1", "eval/chat/speedup_t0", "eval/jsonl/a1_t1"} <= set(header)
+
+
+def test_resume_after_kill(hydra_run, assets, tmp_path, monkeypatch):
+    """Kill after the first (suite, temperature); the restart skips it and ends with the same numbers."""
+    run_dir = tmp_path / "killed"
+    cfg = _compose(_overrides(assets, run_dir))
+    real, calls = ev.evaluate_suite, []
+
+    def dying(*args, **kwargs):
+        calls.append(kwargs["suite"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the job dies during the second (suite, temperature)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "evaluate_suite", dying)
+    with pytest.raises(KeyboardInterrupt):
+        ev.run(cfg)
+    partial = json.loads((run_dir / "results.json").read_text())
+    assert {s: list(v) for s, v in partial["results"].items()} == {"jsonl": ["t0"]}
+
+    calls.clear()
+    monkeypatch.setattr(ev, "evaluate_suite", lambda *a, **kw: calls.append(kw["suite"]) or real(*a, **kw))
+    doc = ev.run(cfg)
+    assert len(calls) == 3  # jsonl/t0 was skipped
+    fresh = json.loads((hydra_run / "results.json").read_text())
+    assert _untimed(doc) == _untimed(fresh)
+    assert json.loads((run_dir / "results.json").read_text())["results"] == doc["results"]
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        header = next(csv.reader(f))
+    assert "eval/jsonl/tau_t0" in header  # the skipped entry is logged again by the restarted logger
+
+    from experiments import report as rp
+
+    summary = rp.main([str(hydra_run), str(run_dir), "--out", str(tmp_path / "report"), "--names", "uniform",
+                       "resumed", "--num-bootstrap", "100"])
+    for key in ("t0", "t1"):
+        cell = summary["table"][key]["chat"]["resumed"]  # same numbers: no gain, a degenerate paired interval
+        assert cell["gain"] == 0 and cell["gain_ci_low"] == cell["gain_ci_high"] == 0
+    assert (tmp_path / "report" / "tau.png").stat().st_size > 0
+
+    calls.clear()
+    ev.run(cfg)  # everything done: nothing runs
+    assert calls == []
+    other = _compose(_overrides(assets, run_dir) + ["max_new_tokens=5"])
+    with pytest.raises(ValueError, match="settings.max_new_tokens: 6 -> 5"):
+        ev.run(other)
+
+
+def test_entry_point_errors(assets, tmp_path):
+    with pytest.raises(FileNotFoundError, match="drafter.path=.*no such directory"):
+        ev.run(_compose(_overrides(assets, tmp_path / "a", drafter="missing")))
+    with pytest.raises(ValueError, match="does not fit target.path=.*hidden_size: drafter was built for 48"):
+        ev.run(_compose(_overrides(assets, tmp_path / "b", drafter="other")))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(Exception, match="suite 'jsonl': no prompts"):  # the loader's error (wrapped by Hydra)
+        ev.run(_compose(_overrides(assets, tmp_path / "c") + [f"suite.jsonl.path={empty}"]))

@@ -1,0 +1,238 @@
+"""drafters.module: training raises τ, teacher-forced τ = online τ, resume, DDP, checkpoints, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+from conftest import left_padded_prompts, tiny_target
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from drafters import BlockDiffusionDrafter
+from drafters.data import RegenDataModule, collate, write_meta, write_shard
+from drafters.module import DrafterLightningModule, greedy_walk, teacher_forced_tau, warmup_cosine
+from losses import AcceptanceAlignedLoss
+from verify import speculative_generate, target_generate
+
+VOCAB, NEW = 64, 24
+NUM_TRAIN, NUM_EVAL = 40, 8
+
+
+def make_target():
+    return tiny_target("llama", vocab_size=VOCAB, hidden_size=64, init_range=0.2)
+
+
+def rows_of(input_ids, attention_mask, new_tokens, prefix="r"):
+    """Unpadded prompt + the target's own answer per row, in the stored format."""
+    rows = []
+    for b, answer in enumerate(new_tokens):
+        prompt = input_ids[b][attention_mask[b].bool()].tolist()
+        rows.append({"id": f"{prefix}/{b}", "domain": "code", "input_ids": prompt + answer, "prompt_len": len(prompt)})
+    return rows
+
+
+def make_module(target, loss=None, lr=3e-3, max_steps=40, num_anchors=16, seed=0):
+    torch.manual_seed(seed)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    return DrafterLightningModule(
+        drafter, target, loss or AcceptanceAlignedLoss(),
+        optimizer=functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.0),
+        scheduler=functools.partial(warmup_cosine, warmup_steps=5, max_steps=max_steps),
+        num_anchors=num_anchors, val_anchor_chunk=8,
+    )
+
+
+def make_trainer(max_steps, **kwargs):
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0, max_epochs=-1)
+    defaults.update(kwargs)
+    return L.Trainer(max_steps=max_steps, **defaults)
+
+
+@pytest.fixture(scope="module")
+def greedy_data(tmp_path_factory):
+    """A tiny random target, its greedy answers to random prompts (stored), and held-out prompts."""
+    target = make_target()
+    ids, mask = left_padded_prompts([4 + i % 5 for i in range(NUM_TRAIN + NUM_EVAL)], VOCAB, seed=1)
+    out = target_generate(target, ids, attention_mask=mask, max_new_tokens=NEW)
+    data_dir = tmp_path_factory.mktemp("regen")
+    write_shard(rows_of(ids[:NUM_TRAIN], mask[:NUM_TRAIN], out.new_tokens[:NUM_TRAIN]), data_dir)
+    write_meta(data_dir, {"complete": True})
+    return target, data_dir, ids[NUM_TRAIN:], mask[NUM_TRAIN:]
+
+
+@pytest.fixture(scope="module")
+def trained(greedy_data):
+    """The drafter before and after 40 steps of training, with the online τ of each."""
+    target, data_dir, eval_ids, eval_mask = greedy_data
+    module = make_module(target)
+
+    def online_tau():
+        return speculative_generate(target, module.drafter, eval_ids, attention_mask=eval_mask,
+                                    max_new_tokens=NEW).tau
+
+    before = online_tau()
+    datamodule = RegenDataModule(str(data_dir), batch_size=8, val_fraction=0.1, max_val_samples=4)
+    trainer = make_trainer(40, limit_val_batches=None, val_check_interval=40, check_val_every_n_epoch=None)
+    trainer.fit(module, datamodule=datamodule)
+    return module, before, online_tau(), trainer
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def test_greedy_walk_replays_verification():
+    # prompt of 2 tokens, 8 tokens in all: anchors start at column 1, tokens to emit at columns 2..7
+    lead = [9, 3, 9, 9, 9, 0, 2, 9]
+    # col 1: accept 3 (cols 2-4) + 1 -> anchor 5; col 5: accept 0 -> anchor 6; col 6: 1 left, accept 1
+    assert greedy_walk(lead, prompt_len=2, length=8) == ([3, 0, 1], [4, 1, 1])
+    assert greedy_walk([0] * 5, prompt_len=5, length=5) == ([], [])
+    assert greedy_walk([0, 0, 0, 0], prompt_len=1, length=4) == ([0, 0, 0], [1, 1, 1])
+
+
+def test_warmup_cosine_schedule():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine(opt, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(16):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1) and lrs[15] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="schedule"):
+        warmup_cosine(opt, warmup_steps=1, max_steps=0)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_training_raises_online_accepted_length(trained):
+    module, before, after, trainer = trained
+    assert after > before + 0.08, (before, after)
+    metrics = trainer.callback_metrics
+    for key in ("val/loss", "val/tau_greedy", "val/tau_soft", "val/acc_slot1", "val/ce"):
+        assert key in metrics
+    assert 1.0 <= float(metrics["val/tau_greedy"]) <= 4.0 and 1.0 <= float(metrics["val/tau_soft"]) <= 4.0
+
+
+def test_teacher_forced_tau_equals_online_tau(greedy_data, trained):
+    target, _, eval_ids, eval_mask = greedy_data
+    drafter = trained[0].drafter
+    first = target_generate(target, eval_ids[:1], attention_mask=eval_mask[:1], max_new_tokens=NEW).new_tokens[0]
+    eos = first[10]  # a token the target emits: some rows stop early at it
+    out = target_generate(target, eval_ids, attention_mask=eval_mask, max_new_tokens=NEW, eos_token_id=eos)
+    batch = collate(rows_of(eval_ids, eval_mask, out.new_tokens))
+    offline = teacher_forced_tau(drafter, target, batch, chunk=5)
+    online = speculative_generate(target, drafter, eval_ids, attention_mask=eval_mask, max_new_tokens=NEW,
+                                  eos_token_id=eos)
+    assert any(len(t) < NEW for t in out.new_tokens)  # the EOS path is exercised
+    assert sum(map(sum, online.accepted_counts)) > 0  # drafts do get accepted
+    assert offline["accepted_counts"] == online.accepted_counts
+    assert offline["tau_greedy"] == pytest.approx(online.tau)
+
+
+def test_soft_loss_trains_and_validates(greedy_data):
+    target, data_dir, _, _ = greedy_data
+    loss = AcceptanceAlignedLoss(gamma=7.0, focal_weight=0.3, chain_weight=1.0, soft=True)
+    module = make_module(target, loss=loss)
+    datamodule = RegenDataModule(str(data_dir), batch_size=4, val_fraction=0.1, max_val_samples=2)
+    trainer = make_trainer(1, fast_dev_run=1)
+    trainer.fit(module, datamodule=datamodule)
+    assert {"val/chain", "val/focal", "val/tau_soft"} <= set(trainer.callback_metrics)
+
+
+# ----------------------------------------------------------------------------- resume and checkpoints
+
+
+def _fit(target, data_dir, max_steps, ckpt_dir=None, resume_from=None):
+    module = make_module(target, max_steps=8, num_anchors=4)
+    datamodule = RegenDataModule(str(data_dir), batch_size=4, val_fraction=0.0)
+    callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                                     every_n_train_steps=2)] if ckpt_dir else []
+    trainer = make_trainer(max_steps, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    return module, trainer
+
+
+def test_resume_continues_at_the_right_step(greedy_data, tmp_path):
+    target, _, _, _ = greedy_data
+    ids, mask = left_padded_prompts([5] * 8, VOCAB, seed=3)
+    data_dir = tmp_path / "data"
+    write_shard(rows_of(ids, mask, [[7, 8, 9, 10, 11, 12]] * 8), data_dir)  # 8 rows, 2 steps per epoch
+    write_meta(data_dir, {"complete": True})
+    ckpt_dir = tmp_path / "ckpt"
+
+    _fit(target, data_dir, 4, ckpt_dir)  # "killed" after 4 steps
+    ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4
+    assert all(k.startswith("drafter.") for k in ckpt["state_dict"])  # never the frozen target
+    assert ckpt["drafter_config"]["block_size"] == 4
+    assert [s["step"] for s in ckpt["optimizer_states"][0]["state"].values()][0] == 4
+
+    resumed, trainer = _fit(target, data_dir, 8, ckpt_dir, resume_from=str(ckpt_dir / "last.ckpt"))
+    assert trainer.global_step == 8
+    state = trainer.optimizers[0].state_dict()["state"]
+    assert all(int(s["step"]) == 8 for s in state.values())
+    straight, _ = _fit(target, data_dir, 8)  # the same 8 steps without interruption
+    for (name, a), b in zip(resumed.drafter.state_dict().items(), straight.drafter.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+    other = tiny_target("llama", vocab_size=VOCAB + 16, hidden_size=64)
+    module = make_module(other)
+    with pytest.raises(ValueError, match="another target"):
+        module.on_load_checkpoint(ckpt)
+    module = make_module(target)
+    ckpt["drafter_config"]["block_size"] = 8
+    with pytest.raises(ValueError, match="block_size"):
+        module.on_load_checkpoint(ckpt)
+
+
+def test_ddp_spawn_two_processes(greedy_data):
+    target, data_dir, _, _ = greedy_data
+    module = make_module(target, num_anchors=4)
+    datamodule = RegenDataModule(str(data_dir), batch_size=2, val_fraction=0.1, max_val_samples=2)
+    trainer = make_trainer(2, strategy="ddp_spawn", devices=2, limit_val_batches=1, val_check_interval=2,
+                           check_val_every_n_epoch=None)
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 2
+    assert "val/tau_greedy" in trainer.callback_metrics
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+class NoHiddenStates(torch.nn.Module):
+    """A causal LM wrapper that drops ``hidden_states`` from its outputs."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        return CausalLMOutputWithPast(logits=out.logits)
+
+
+def test_bad_targets_and_drafters_are_refused():
+    target = make_target()
+    with pytest.raises(ValueError, match="hidden_states"):
+        BlockDiffusionDrafter.from_target(NoHiddenStates(target), block_size=4)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockDiffusionDrafter.from_target(target, block_size=1)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        BlockDiffusionDrafter.from_target(target, block_size=4, mask_token_id=VOCAB)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    with pytest.raises(ValueError, match="different target"):
+        DrafterLightningModule(drafter, make_target(), AcceptanceAlignedLoss(), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="num_anchors"):
+        DrafterLightningModule(drafter, target, AcceptanceAlignedLoss(), torch.optim.AdamW, num_anchors=0)

@@ -1,0 +1,181 @@
+"""experiments.report on two hand-made results.json files: discovery and naming, the gain table
+(checked against hand-computed values), paired bootstrap intervals, CI-overlap marks, the PNGs,
+training curves, --names / --baseline, errors, and offline W&B logging."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import report as rp
+from verify.metrics import bootstrap_ci
+
+K = 3
+SUITES = {"code": 20, "chat": 12}  # prompts per suite
+TEMPS = {"t0": 0.0, "t1": 1.0}
+
+
+def _entry(suite, key, new, steps, hist, acc):
+    low, high = bootstrap_ci(new, steps, n_boot=500, seed=1)
+    return {
+        "suite": suite, "temperature": TEMPS[key], "K": K, "num_prompts": len(new),
+        "tau": sum(new) / sum(steps), "tau_macro": float(np.mean(np.divide(new, steps))),
+        "tau_ci_low": low, "tau_ci_high": high, "accept_hist": hist, "position_acceptance": acc,
+        "new_tokens": int(sum(new)), "target_forwards": int(sum(steps)),
+        "spec_tokens_per_s": 100.0 * sum(new) / sum(steps), "target_tokens_per_s": 100.0,
+        "speedup": sum(new) / sum(steps),
+        "prompts": [{"id": f"{suite}/{i}", "turns": 1, "new_tokens": int(n), "steps": int(s)}
+                    for i, (n, s) in enumerate(zip(new, steps))],
+    }
+
+
+def _docs():
+    """uniform and chain results. On code, chain keeps exactly 1.5x uniform's tokens per prompt with the same
+    steps, so every paired resample gives the ratio 1.5; on chat the two are independent draws."""
+    rng = np.random.default_rng(0)
+    uniform, chain = {}, {}
+    for suite, n in SUITES.items():
+        uniform[suite], chain[suite] = {}, {}
+        for key in TEMPS:
+            steps = rng.integers(10, 30, n)
+            new_u = 2 * (steps + rng.integers(0, steps))  # even, so that 1.5x is an integer
+            new_u = np.minimum(new_u, steps * (K + 1))
+            new_u -= new_u % 2
+            new_c = 3 * new_u // 2 if suite == "code" else steps + rng.integers(0, 2 * steps)
+            uniform[suite][key] = _entry(suite, key, new_u.tolist(), steps.tolist(), [5, 4, 3, 2], [0.6, 0.5, 0.4])
+            chain[suite][key] = _entry(suite, key, new_c.tolist(), steps.tolist(), [2, 3, 4, 5], [0.8, 0.7, 0.6])
+    return ({"results": uniform, "drafter": {"path": "/nowhere/drafter"}, "git_commit": None},
+            {"results": chain, "drafter": {"path": "/nowhere/drafter"}, "git_commit": None})
+
+
+@pytest.fixture
+def multirun(tmp_path):
+    """A multirun dir: 0_loss=uniform (named by .hydra/hydra.yaml) and 1_loss=chain (by train_summary.json,
+    with a CSV training log)."""
+    uniform, chain = _docs()
+    root = tmp_path / "multirun"
+    a, b = root / "0_loss=uniform", root / "1_loss=chain"
+    (a / ".hydra").mkdir(parents=True)
+    (a / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      loss: uniform\n      target: tiny\n")
+    (a / "results.json").write_text(json.dumps(uniform))
+    (b / "logs").mkdir(parents=True)
+    (b / "train_summary.json").write_text(json.dumps({"name": "tiny-dflash-chain-s0", "overrides": ["loss=chain"]}))
+    (b / "logs" / "metrics.csv").write_text(
+        "epoch,step,train/loss,val/tau_greedy\n0,0,,1.10\n0,10,5.0,\n0,100,,1.45\n0,200,,1.62\n")
+    (b / "results.json").write_text(json.dumps(chain))
+    return root, uniform, chain
+
+
+def _gain(c, u):
+    return c["tau"] / u["tau"] - 1.0
+
+
+def test_report_end_to_end(multirun, tmp_path):
+    root, uniform, chain = multirun
+    out = tmp_path / "out"
+    report = rp.main([str(root), "--out", str(out), "--num-bootstrap", "300"])
+    for name in ("report.md", "report.json", "tau.png", "position_acceptance.png", "accept_hist.png",
+                 "training_curves.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    saved = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in saved["configurations"]] == ["uniform", "chain"]
+    assert saved["baseline"] == "uniform" and saved["suites"] == ["code", "chat"]
+    md = (out / "report.md").read_text()
+    for key in TEMPS:
+        table = saved["table"][key]
+        assert list(table) == ["code", "chat", "mean"]
+        for suite, num_prompts in SUITES.items():
+            u, c = uniform["results"][suite][key], chain["results"][suite][key]
+            cell = table[suite]["chain"]
+            assert cell["gain"] == pytest.approx(_gain(c, u), abs=1e-12)
+            assert (table[suite]["uniform"]["tau"], cell["tau"]) == (u["tau"], c["tau"])
+            assert f"{100 * _gain(c, u):+.1f}%" in md
+            assert f"{u['tau']:.3f} [{u['tau_ci_low']:.3f}, {u['tau_ci_high']:.3f}]" in md
+            overlap = not (c["tau_ci_low"] > u["tau_ci_high"] or c["tau_ci_high"] < u["tau_ci_low"])
+            assert cell["ci_overlap"] is overlap and cell["paired_prompts"] == num_prompts
+            assert "gain" not in table[suite]["uniform"]
+        # code: chain = 1.5 x uniform prompt by prompt -> a paired interval of exactly +50%
+        code = table["code"]["chain"]
+        assert code["gain"] == pytest.approx(0.5)
+        assert code["gain_ci_low"] == pytest.approx(0.5) and code["gain_ci_high"] == pytest.approx(0.5)
+        assert "+50.0% [+50.0%, +50.0%]" in md
+        chat = table["chat"]["chain"]
+        assert chat["gain_ci_low"] < chat["gain"] < chat["gain_ci_high"]
+        mean_u = np.mean([uniform["results"][s][key]["tau"] for s in SUITES])
+        mean_c = np.mean([chain["results"][s][key]["tau"] for s in SUITES])
+        assert table["mean"]["uniform"]["tau"] == pytest.approx(mean_u)
+        assert table["mean"]["chain"]["gain"] == pytest.approx(mean_c / mean_u - 1)
+        assert table["mean"]["uniform"]["ci_low"] < mean_u < table["mean"]["uniform"]["ci_high"]
+    assert saved["training_curves"]["chain"] == {"steps": [0, 100, 200], "val/tau_greedy": [1.10, 1.45, 1.62]}
+    assert "uniform" not in saved["training_curves"]
+    assert "## Temperature 0" in md and "## Temperature 1" in md and "### Gain over uniform" in md
+    assert "![tau](tau.png)" in md and "![training_curves](training_curves.png)" in md
+    assert rp.OVERLAP_MARK in md or not any(saved["table"][k][s]["chain"]["ci_overlap"] for k in TEMPS for s in SUITES)
+    assert report["table"] == saved["table"]
+
+
+def test_overlap_mark_and_no_records(tmp_path):
+    """Without per-prompt records the gain has no interval; overlapping τ intervals are marked."""
+    uniform, chain = _docs()
+    for doc in (uniform, chain):
+        for entries in doc["results"].values():
+            for e in entries.values():
+                e.pop("prompts")
+    chat_u = uniform["results"]["chat"]["t0"]
+    chain["results"]["chat"]["t0"].update(tau=chat_u["tau"] * 1.01, tau_ci_low=chat_u["tau_ci_low"],
+                                          tau_ci_high=chat_u["tau_ci_high"])
+    (tmp_path / "u.json").write_text(json.dumps(uniform))
+    (tmp_path / "c.json").write_text(json.dumps(chain))
+    runs = rp.load_runs([tmp_path / "u.json", tmp_path / "c.json"], names=["uniform", "chain"])
+    report = rp.write_report(runs, tmp_path / "out")
+    cell = report["table"]["t0"]["chat"]["chain"]
+    assert cell["gain_ci_low"] is None and cell["ci_overlap"] is True
+    assert report["table"]["t0"]["mean"]["chain"]["ci_low"] is None
+    assert f"{100 * cell['gain']:+.1f}%{rp.OVERLAP_MARK}" in (tmp_path / "out" / "report.md").read_text()
+    assert not (tmp_path / "out" / "training_curves.png").exists()
+
+
+def test_names_baseline_and_errors(multirun, tmp_path, capsys):
+    root, _, _ = multirun
+    report = rp.main([str(root), "--out", str(tmp_path / "a"), "--names", "A", "B", "--num-bootstrap", "50"])
+    assert report["baseline"] is None and "no configuration named 'uniform'" in capsys.readouterr().out
+    assert "### Gain" not in (tmp_path / "a" / "report.md").read_text()
+    report = rp.main([str(root), "--out", str(tmp_path / "b"), "--names", "A", "B", "--baseline", "B",
+                      "--num-bootstrap", "50"])
+    assert report["table"]["t0"]["code"]["A"]["gain"] == pytest.approx(1 / 1.5 - 1)
+    with pytest.raises(ValueError, match="--names gives 1 names for 2 results files"):
+        rp.main([str(root), "--out", str(tmp_path / "c"), "--names", "A"])
+    with pytest.raises(ValueError, match="baseline configuration 'nope'"):
+        rp.main([str(root), "--out", str(tmp_path / "c"), "--baseline", "nope"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no results.json found"):
+        rp.main([str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
+    (tmp_path / "bad.json").write_text(json.dumps({"tau": 1}))
+    with pytest.raises(TypeError, match="not an experiments.evaluate results.json"):
+        rp.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "c")])
+
+
+def test_names_from_training_run_and_duplicates(tmp_path):
+    """Evaluation run dirs elsewhere: the name comes from the drafter's training run; repeats get the seed."""
+    uniform, _ = _docs()
+    for seed in (0, 1):
+        train = tmp_path / f"train/s{seed}"
+        (train / ".hydra").mkdir(parents=True)
+        (train / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      loss: decay\n")
+        (train / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: x\n")
+        (train / "drafter").mkdir()
+        doc = dict(uniform, drafter={"path": str(train / "drafter")})
+        (tmp_path / f"eval{seed}").mkdir()
+        (tmp_path / f"eval{seed}" / "results.json").write_text(json.dumps(doc))
+    runs = rp.load_runs([tmp_path / "eval0", tmp_path / "eval1"])
+    assert [r.name for r in runs] == ["decay-s0", "decay-s1"]
+    assert rp.training_run_info(tmp_path / "train/s1")["seed"] == 1
+
+
+def test_wandb_offline(multirun, tmp_path):
+    root, _, _ = multirun
+    report = rp.main([str(root), "--out", str(tmp_path / "w"), "--num-bootstrap", "50", "--wandb"])
+    assert list((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    assert report["wandb_dir"].startswith(str(tmp_path / "w"))

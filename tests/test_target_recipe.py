@@ -1,0 +1,140 @@
+"""The embedded target: corpora, tokenizer, the training recipe (runs and resumes), the shipped model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from experiments import corpora
+from experiments.target import TINY_TARGET_DIR, load_target
+from experiments.target_quality import distinct_n, repeated_ngram_share
+from experiments.tokenizer import train_tokenizer
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture(scope="module")
+def small_docs():
+    docs = []
+    for name in ["code_raw", "code_chat", "docs", "fortunes", "dialogue"]:
+        docs += corpora.load_source(name)[:40]
+    docs += corpora.load_source("reasoning", num_problems=40)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(small_docs):
+    return train_tokenizer([d.text or "\n".join(m["content"] for m in d.messages) for d in small_docs], 600)
+
+
+def test_every_source_loads_real_documents(small_docs):
+    by_source = {d.source for d in small_docs}
+    assert by_source == set(corpora.SOURCES)
+    assert len({d.id for d in small_docs}) == len(small_docs)
+
+
+def test_tokenizer_round_trips_every_domain_and_renders_chat(tokenizer, small_docs):
+    for doc in small_docs[::7]:
+        text = corpora.render_document(doc, tokenizer)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text, doc.id
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], tokenize=False
+    )
+    assert chat == "<|bos|><|user|>2+2?<|eos|><|assistant|>4<|eos|>"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=False)
+    assert prompt.endswith("<|assistant|>")
+    assert tokenizer.mask_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def test_validation_split_is_stable_and_small():
+    ids = [f"doc/{i}" for i in range(5000)]
+    held = [i for i in ids if corpora.is_validation(i, 0.02)]
+    assert held == [i for i in ids if corpora.is_validation(i, 0.02)]
+    assert 50 < len(held) < 150
+
+
+def test_training_prompts_are_disjoint_from_the_suites():
+    from experiments.suites import assert_disjoint, load_gsm_symbolic, load_humaneval
+
+    prompts = corpora.training_prompts(per_source=200)
+    texts = {d: [p["messages"][-1]["content"] for p in prompts if p["domain"] == d] for d in ("code", "reasoning")}
+    assert_disjoint(texts["code"], {"humaneval": load_humaneval()})
+    assert_disjoint(texts["reasoning"], {"gsm_symbolic": load_gsm_symbolic()}, ngram=None)
+
+
+def test_repetition_metrics_by_hand():
+    assert repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4], 4) == pytest.approx(1 / 5)
+    assert repeated_ngram_share([1, 2, 3], 4) == 0.0
+    assert distinct_n([1, 1, 1, 1], 2) == pytest.approx(1 / 3)
+    assert distinct_n([1, 2, 3, 4], 2) == 1.0
+
+
+def _recipe_cfg(tmp_path, max_steps):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(
+            config_name="train_target",
+            overrides=[
+                f"paths.run_dir={tmp_path}/run",
+                f"export_dir={tmp_path}/export",
+                "target.recipe.mixture={fortunes: 0.5, dialogue: 0.5}",
+                "target.recipe.vocab_size=300",
+                "target.recipe.seq_len=32",
+                "target.recipe.batch_size=4",
+                "target.recipe.val_every=3",
+                "target.recipe.checkpoint_every=2",
+                "target.recipe.val_windows_per_source=2",
+                "target.recipe.compile=false",
+                "target.recipe.model.hidden_size=32",
+                "target.recipe.model.intermediate_size=64",
+                "target.recipe.model.num_hidden_layers=1",
+                "target.recipe.model.num_attention_heads=2",
+                "target.recipe.model.num_key_value_heads=2",
+                "target.recipe.model.max_position_embeddings=64",
+                "target.recipe.optim.warmup_steps=2",
+                f"target.recipe.optim.max_steps={max_steps}",
+                "trainer.enable_progress_bar=false",
+            ],
+        )
+
+
+def test_recipe_trains_exports_and_resumes(tmp_path):
+    from experiments.train_target import run
+
+    export = run(_recipe_cfg(tmp_path, 4))
+    first = json.loads((export / "training.json").read_text())
+    assert first["steps"] == 4 and (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    export = run(_recipe_cfg(tmp_path, 6))  # resumes from last.ckpt, does not start over
+    second = json.loads((export / "training.json").read_text())
+    assert second["steps"] == 6
+    model, tok = load_target(str(export))
+    assert model.config.num_hidden_layers == 1 and tok.chat_template
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in out[0].tolist()
+
+
+def test_shipped_target_loads_offline_matches_its_card_and_generates():
+    model, tok = load_target(str(TINY_TARGET_DIR))
+    card = json.loads((TINY_TARGET_DIR / "training.json").read_text())
+    recipe_model = card["recipe"]["model"]
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads"):
+        assert getattr(model.config, key) == recipe_model[key], key
+    assert sum(p.numel() for p in model.parameters()) == card["parameters"]
+    assert model.config.mask_token_id == tok.mask_token_id
+    assert (TINY_TARGET_DIR / "README.md").exists() and (TINY_TARGET_DIR / "quality.json").exists()
+    size = sum(f.stat().st_size for f in TINY_TARGET_DIR.iterdir())
+    assert size < 25 * 2**20
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
