@@ -10,8 +10,11 @@ N = 512 blocks of K = 15 slots and times, interleaved over configs and repeated,
   forward + backward to the hidden states: the part of a training step that scales with V.
 
 Each time is the median over repeats; ratios are against the ``uniform`` config (our chunked CE) and
-against ``torch.nn.functional.cross_entropy`` (``torch_ce``) on the same tensors. A plain argparse
-script, not a Hydra entry point: it sweeps every loss config itself and writes one JSON file.
+against ``torch.nn.functional.cross_entropy`` (``torch_ce``) on the same tensors; ``torch_soft_ce`` is
+PyTorch's CE against the soft labels p, the reference for ``soft_all``. Both wall-clock and
+process CPU time are recorded: on a shared machine CPU time is the stable measure of cost (run with
+``--threads 1`` so that it does not count threads spinning at barriers). A plain argparse script, not
+a Hydra entry point: it sweeps every loss config itself and writes one JSON file.
 """
 
 from __future__ import annotations
@@ -49,16 +52,26 @@ def make_batch(N: int, K: int, V: int, H: int, seed: int = 0):
     return hidden, head, logits, torch.where(mask, labels, -100), mask, probs
 
 
-def torch_ce(logits, labels, mask, target_probs=None):
-    """Reference: masked mean cross-entropy with PyTorch's fused kernel."""
-    V = logits.shape[-1]
-    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100), {}
+class TorchCE:
+    """Reference: masked mean cross-entropy with PyTorch's kernels, on hard labels or (soft) on p."""
+
+    def __init__(self, soft: bool = False) -> None:
+        self.soft = soft
+
+    def __call__(self, logits, labels, mask, target_probs=None):
+        V = logits.shape[-1]
+        if not self.soft:
+            return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100), {}
+        ce = F.cross_entropy(logits.reshape(-1, V), target_probs.reshape(-1, V), reduction="none")
+        m = mask.reshape(-1)
+        return (ce * m).sum() / m.sum(), {}
 
 
-def time_once(fn) -> float:
-    t0 = time.perf_counter()
+def time_once(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def bench_vocab(losses: dict, N: int, K: int, V: int, H: int, repeats: int) -> dict:
@@ -76,23 +89,27 @@ def bench_vocab(losses: dict, N: int, K: int, V: int, H: int, repeats: int) -> d
         loss, _ = loss_fn(head(hid), labels, mask, probs if soft else None)
         loss.backward()
 
-    times = {name: {"loss": [], "step": []} for name in losses}
+    kinds = [f"{step}_{clock}" for step in ("loss", "step") for clock in ("wall", "cpu")]
+    times = {name: {kind: [] for kind in kinds} for name in losses}
     for rep in range(repeats + 1):  # the first round warms up and is dropped
         for name, loss_fn in losses.items():
-            soft = bool(getattr(loss_fn, "soft", False))
-            for kind, step in (("loss", loss_step), ("step", full_step)):
-                t = time_once(lambda step=step, loss_fn=loss_fn, soft=soft: step(loss_fn, soft))
+            soft = bool(loss_fn.soft)
+            for step, fn in (("loss", loss_step), ("step", full_step)):
+                wall, cpu = time_once(lambda fn=fn, loss_fn=loss_fn, soft=soft: fn(loss_fn, soft))
                 if rep > 0:
-                    times[name][kind].append(t)
+                    times[name][f"{step}_wall"].append(wall)
+                    times[name][f"{step}_cpu"].append(cpu)
+        print(f"  V={V} round {rep}/{repeats} done", flush=True)
     out = {}
-    for name, kinds in times.items():
+    for name, per_kind in times.items():
         row = {}
-        for kind, ts in kinds.items():
+        for kind, ts in per_kind.items():
             med = statistics.median(ts)
             row[f"{kind}_ms"] = round(med * 1000, 1)
             row[f"{kind}_vs_uniform"] = round(med / statistics.median(times["uniform"][kind]), 3)
             row[f"{kind}_vs_torch_ce"] = round(med / statistics.median(times["torch_ce"][kind]), 3)
-            row[f"{kind}_spread_ms"] = round((max(ts) - min(ts)) * 1000, 1)
+            row[f"{kind}_iqr_ms"] = round((statistics.quantiles(ts, n=4)[2] - statistics.quantiles(ts, n=4)[0])
+                                          * 1000, 1) if len(ts) > 1 else 0.0
         out[name] = row
     return out
 
@@ -106,13 +123,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the frozen head in 'step'")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--configs", nargs="+", default=None, help="conf/loss names (default: all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    losses = {"torch_ce": torch_ce}
+    losses = {"torch_ce": TorchCE(), "torch_soft_ce": TorchCE(soft=True)}
     for path in sorted(CONF.glob("*.yaml")):
-        losses[path.stem] = hydra.utils.instantiate(OmegaConf.load(path))
+        if args.configs is None or path.stem in args.configs or path.stem == "uniform":
+            losses[path.stem] = hydra.utils.instantiate(OmegaConf.load(path))
     result = {
         "setup": {"blocks": args.blocks, "slots": args.slots, "hidden": args.hidden, "repeats": args.repeats,
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -122,11 +141,14 @@ def main() -> None:
     for V in args.vocab:
         table = bench_vocab(losses, args.blocks, args.slots, V, args.hidden, args.repeats)
         result["results"][str(V)] = table
-        print(f"\nV={V}  (median ms; ratio vs uniform config / vs torch F.cross_entropy)")
-        print(f"{'config':<12} {'loss ms':>8} {'x unif':>7} {'x torch':>8}   {'step ms':>8} {'x unif':>7} {'x torch':>8}")
-        for name, r in table.items():
-            print(f"{name:<12} {r['loss_ms']:>8} {r['loss_vs_uniform']:>7} {r['loss_vs_torch_ce']:>8}   "
-                  f"{r['step_ms']:>8} {r['step_vs_uniform']:>7} {r['step_vs_torch_ce']:>8}")
+        for clock in ("cpu", "wall"):
+            print(f"\nV={V}, {clock} time (median ms; ratio vs uniform config / vs torch F.cross_entropy)")
+            print(f"{'config':<12} {'loss ms':>8} {'x unif':>7} {'x torch':>8}   {'step ms':>8} {'x unif':>7} "
+                  f"{'x torch':>8}")
+            for name, r in table.items():
+                a, b = f"loss_{clock}", f"step_{clock}"
+                print(f"{name:<12} {r[a + '_ms']:>8} {r[a + '_vs_uniform']:>7} {r[a + '_vs_torch_ce']:>8}   "
+                      f"{r[b + '_ms']:>8} {r[b + '_vs_uniform']:>7} {r[b + '_vs_torch_ce']:>8}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -408,6 +408,27 @@ def run(cfg: DictConfig) -> dict:
     return doc
 
 
+def evaluate_training_run(cfg: DictConfig) -> dict:
+    """Evaluate the drafter a training run just saved (``experiments.train`` with ``evaluate.enabled``).
+
+    Uses the training config's target, suites and logger (under the name ``eval``, so a CSV logger
+    does not overwrite the training curves) and writes ``<run dir>/results.json`` beside
+    ``train_summary.json``, where ``experiments.report`` finds both.
+    """
+    run_dir = Path(cfg.paths.run_dir)
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.evaluate, resolve=True).items() if k != "enabled"}
+    logger = OmegaConf.to_container(cfg.logger, resolve=True) | {"name": "eval"}
+    eval_cfg = OmegaConf.create(settings | {
+        "target": OmegaConf.to_container(cfg.target, resolve=True),
+        "suite": OmegaConf.to_container(cfg.suite, resolve=True),
+        "logger": logger,
+        "drafter": {"path": str(run_dir / "drafter")},
+        "paths": {"run_dir": str(run_dir)},
+        "results_path": str(run_dir / "results.json"),
+    })
+    return run(eval_cfg)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hydra.experimental.callback import Callback
 
 MEAN = "mean"  # the pseudo-suite: unweighted mean of the per-suite τ
 OVERLAP_MARK = "°"
@@ -667,3 +668,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+class MultirunReport(Callback):
+    """Hydra callback: when a multirun (e.g. ``experiment=l2r_ablation``) ends, write one report of
+    every job's ``results.json`` to ``<sweep dir>/report`` (configure under ``hydra.callbacks``)."""
+
+    def __init__(self, baseline: str | None = "uniform", num_bootstrap: int = 1000, out: str | None = None,
+                 name_by_dir: bool = False):
+        self.baseline, self.num_bootstrap, self.out, self.name_by_dir = baseline, num_bootstrap, out, name_by_dir
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            found = find_results([sweep_dir])
+        except FileNotFoundError as err:
+            print(f"[report] nothing to report: {err}", flush=True)
+            return
+        out = Path(self.out) if self.out else sweep_dir / "report"
+        names = [p.parent.name for p in found] if self.name_by_dir else None
+        runs = load_runs([sweep_dir], names=names)
+        report = write_report(runs, out, baseline=self.baseline, num_bootstrap=self.num_bootstrap)
+        print(f"[report] {len(report['configurations'])} configurations -> {out / 'report.md'}", flush=True)

@@ -12,7 +12,9 @@ scheduler state); ``resume=false`` refuses to and starts over. It ends up holdin
 * ``drafter/``: the trained drafter (``BlockDiffusionDrafter.from_pretrained(dir, target=...)``);
 * ``checkpoints/last.ckpt``: drafter weights (never the target) and training state;
 * the logger's output (``logs/metrics.csv`` or ``wandb/``);
-* ``train_summary.json``: steps, wall time, throughput and the final validation metrics.
+* ``train_summary.json``: steps, wall time, throughput and the final validation metrics;
+* with ``evaluate.enabled=true``, ``results.json``: the drafter evaluated on ``suite`` at the end
+  (:func:`experiments.evaluate.evaluate_training_run`, rank 0 only).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def keep_csv_history(logger) -> Path | None:
     current = log_dir / "metrics.csv"
     if current.is_file():
         current.rename(log_dir / f"metrics.part-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.csv")
+    warnings.filterwarnings("ignore", message="Experiment logs directory .* will be deleted")  # moved aside
     return log_dir
 
 
@@ -122,6 +125,8 @@ def build(cfg: DictConfig):
 def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if OmegaConf.is_missing(cfg, "name"):
+        cfg.name = run_dir.name  # the default name is the run dir's (see conf/train.yaml)
     L.seed_everything(cfg.seed, workers=True)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -138,9 +143,9 @@ def run(cfg: DictConfig) -> dict:
         dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=tc.checkpoint_every
     )
     logger = hydra.utils.instantiate(cfg.logger)
-    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     on_rank_zero = getattr(rank_zero_only, "rank", 0) == 0
     csv_dir = keep_csv_history(logger) if resume and on_rank_zero else None
+    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     trainer = hydra.utils.instantiate(
         OmegaConf.merge({"_target_": "lightning.pytorch.Trainer"}, cfg.trainer),
         max_steps=tc.max_steps,
@@ -192,6 +197,10 @@ def run(cfg: DictConfig) -> dict:
         (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(f"[train] {trainer.global_step} steps in {train_seconds:.0f} s; val {json.dumps(val)}; "
               f"drafter saved to {run_dir / 'drafter'}", flush=True)
+        if cfg.get("evaluate") is not None and cfg.evaluate.get("enabled"):
+            from experiments.evaluate import evaluate_training_run
+
+            evaluate_training_run(cfg)  # writes <run dir>/results.json
     return summary
 
 

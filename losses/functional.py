@@ -113,78 +113,117 @@ def positional_weights(
 
 
 class SlotStats(NamedTuple):
-    """Per-slot statistics, each (N, K); masked slots hold 0 (argmax excepted)."""
+    """Per-slot statistics, each (N, K); masked slots hold 0 (argmax, correct excepted)."""
 
     nll: torch.Tensor  # −log q_k(y_k): hard-label cross-entropy; log q_k(y_k) = −nll
     soft_ce: torch.Tensor | None  # −Σ_v p_k(v) log q_k(v): CE against target_probs (None without them)
     log_accept: torch.Tensor | None  # log of the verifier's acceptance probability (see slot_statistics)
-    argmax: torch.Tensor  # long, argmax_v q_k(v), first index on ties; no gradient
+    argmax: torch.Tensor | None  # long, argmax_v q_k(v), first index on ties; no gradient
+    correct: torch.Tensor | None  # bool, argmax_v q_k(v) == y_k; no gradient
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
 class _SlotStatsFunction(torch.autograd.Function):
     """Chunked softmax statistics over rows of logits (R, V). See :func:`slot_statistics`.
 
     Outputs (each (R,)): nll = lse − x_y; soft_ce = lse − Σ p x (empty without probs);
-    log_accept (empty unless ``accept``); argmax. Backward recomputes q = exp(x − lse) per chunk:
+    log_accept (empty unless ``accept``); argmax (empty unless asked); correct (empty unless asked).
+    Backward recomputes q = exp(x − lse) per chunk:
 
     * d nll / dx = q − onehot(y)
     * d soft_ce / dx = q − p
     * greedy: d log s / dx = q ⊙ p / s − q, with s = Σ_v q(v) p(v)
     * sample: d log A / dx = (q ⊙ 1[q < p] − q · Q) / A, with A = Σ_v min(p, q), Q = Σ_{q<p} q
+
+    Argmax without a slow index-tracking max: d = x − max(x) is exactly +0 at the maxima and < 0
+    elsewhere (an IEEE difference is 0 only for equal operands), so the bit patterns of d, read as
+    integers, are largest exactly at the maxima and an integer argmax gives the first maximal index,
+    like ``torch.argmax``. ``correct`` (argmax == y) needs no argmax: it holds iff x_y is a maximum
+    and, when another maximum exists (one cheap max of d with d_y set to −inf), none comes before y;
+    only rows with such an exact tie fall back to ``torch.argmax``.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, probs, accept, chunk):  # (R, V), (R,), (R, V) | None
+    def forward(ctx, logits, labels, probs, accept, chunk, with_argmax, with_correct):
+        # logits (R, V), labels (R,) long in [0, V), probs (R, V) or None
         ctx.set_materialize_grads(False)
-        R, _V = logits.shape
+        R = logits.shape[0]
+        device = logits.device
         cdtype = _compute_dtype(logits.dtype)
         tiny = _tiny(cdtype)
-        new = lambda n: torch.empty(n, dtype=cdtype, device=logits.device)
-        lse, argmax = new(R), torch.empty(R, dtype=torch.long, device=logits.device)
+        with_argmax = with_argmax or accept == "greedy"
+
+        def new(n, dtype=cdtype):
+            return torch.empty(n, dtype=dtype, device=device)
+
+        lse = new(R)
+        argmax = new(R if with_argmax else 0, torch.long)
+        correct = new(R if with_correct else 0, torch.bool)
+        tied = new(R if with_correct and not with_argmax else 0, torch.bool)  # x_y ties another max
         soft_ce = new(R if probs is not None else 0)
         log_accept = new(R if accept else 0)
         aux_s = new(R if accept else 0)  # s (greedy) or A (sample)
         aux_q = new(R if accept == "sample" else 0)  # Q (sample)
-        with torch.autocast(logits.device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False):
             for a in range(0, R, chunk):
                 b = min(a + chunk, R)
                 x = logits[a:b].to(cdtype)  # (c, V)
-                xmax, idx = x.max(-1)  # (c,), (c,)
-                argmax[a:b] = idx
-                e = torch.sub(x, xmax.unsqueeze(-1)).exp_()  # (c, V) = q · S
+                m = x.amax(-1)  # (c,)
+                d = torch.sub(x, m.unsqueeze(-1))  # (c, V) ≤ 0, exactly +0 at the maxima
+                if with_argmax:
+                    argmax[a:b] = _int_view(d).argmax(-1)
+                elif with_correct:
+                    y = labels[a:b].unsqueeze(-1)  # (c, 1)
+                    d_y = d.gather(-1, y)  # (c, 1), 0 iff x_y is a maximum
+                    other_max = d.scatter_(-1, y, -math.inf).amax(-1) == 0  # another maximum exists
+                    d.scatter_(-1, y, d_y)  # restore d_y
+                    correct[a:b] = ok = d_y.squeeze(-1) == 0
+                    tied[a:b] = ok & other_max
+                e = d.exp_()  # (c, V) = q · S
                 S = e.sum(-1)  # (c,)
-                lse[a:b] = S.log() + xmax
+                lse[a:b] = S.log() + m
                 if probs is None:
                     continue
                 p = probs[a:b].to(cdtype)  # (c, V)
-                soft_ce[a:b] = lse[a:b] - (p * x).sum(-1)
+                soft_ce[a:b] = lse[a:b] - torch.linalg.vecdot(p, x)
                 if accept == "greedy":
-                    chosen = p.gather(-1, idx.unsqueeze(-1)).squeeze(-1)  # p(argmax q)
+                    chosen = p.gather(-1, argmax[a:b].unsqueeze(-1)).squeeze(-1)  # p(argmax q)
                     log_accept[a:b] = chosen.clamp_min(tiny).log()
-                    aux_s[a:b] = (e * p).sum(-1) / S  # Σ q p
+                    aux_s[a:b] = torch.linalg.vecdot(e, p) / S  # Σ q p
                 elif accept == "sample":
                     q = e.div_(S.unsqueeze(-1))
                     A = torch.minimum(q, p).sum(-1)
                     log_accept[a:b] = A.clamp_min(tiny).log()
                     aux_s[a:b] = A
                     aux_q[a:b] = torch.where(q < p, q, 0.0).sum(-1)
-            nll = lse - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(cdtype)
+            x_y = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(cdtype)  # (R,)
+            nll = lse - x_y
+            if with_correct and with_argmax:
+                correct = argmax == labels
+            elif with_correct:  # exact ties (one host sync per call): argmax is the first maximal index
+                rows = tied.nonzero().squeeze(-1)
+                if rows.numel():
+                    correct[rows] = logits[rows].argmax(-1) == labels[rows]
         ctx.save_for_backward(logits, labels, probs, lse, aux_s, aux_q)
         ctx.accept, ctx.chunk = accept, chunk
-        ctx.mark_non_differentiable(argmax)
-        return nll, soft_ce, log_accept, argmax
+        ctx.mark_non_differentiable(argmax, correct)
+        return nll, soft_ce, log_accept, argmax, correct
 
     @staticmethod
-    def backward(ctx, g_nll, g_soft, g_acc, _g_argmax):
+    def backward(ctx, g_nll, g_soft, g_acc, _g_argmax, _g_correct):
         logits, labels, probs, lse, aux_s, aux_q = ctx.saved_tensors
         accept, chunk = ctx.accept, ctx.chunk
         if g_soft is not None and g_soft.numel() == 0:
             g_soft = None
         if g_acc is not None and g_acc.numel() == 0:
             g_acc = None
+        none = (None,) * 6
         if g_nll is None and g_soft is None and g_acc is None:
-            return None, None, None, None, None
-        R, _V = logits.shape
+            return (None, *none)
+        R = logits.shape[0]
         cdtype = lse.dtype
         tiny = _tiny(cdtype)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -202,21 +241,23 @@ class _SlotStatsFunction(torch.autograd.Function):
             for a in range(0, R, chunk):
                 b = min(a + chunk, R)
                 x = logits[a:b].to(cdtype)
-                gq = torch.sub(x, lse[a:b].unsqueeze(-1), out=grad[a:b] if in_place else None).exp_()
-                q = gq.clone() if g_acc is not None else None  # (c, V); gq is overwritten below
-                gq.mul_(coef[a:b].unsqueeze(-1))
-                if probs is not None and (g_soft is not None or g_acc is not None):
-                    p = probs[a:b].to(cdtype)
-                    if g_soft is not None:
-                        gq.addcmul_(p, g_soft[a:b].unsqueeze(-1), value=-1.0)
-                    if g_acc is not None:
-                        r = acc_scale[a:b].unsqueeze(-1)
-                        gq.add_(q * p * r if accept == "greedy" else torch.where(q < p, q, 0.0) * r)
+                # q, written straight into the gradient buffer when dtypes allow, else into x's copy
+                gq = torch.sub(x, lse[a:b].unsqueeze(-1), out=grad[a:b]) if in_place else x.sub_(lse[a:b, None])
+                q = gq.exp_()  # (c, V); becomes the gradient in place
+                c = coef[a:b].unsqueeze(-1)  # (c, 1)
+                p = probs[a:b].to(cdtype) if probs is not None else None
+                if g_acc is None:
+                    q.mul_(c)
+                else:  # q ⊙ (coef + p r) for greedy, q ⊙ (coef + r 1[q < p]) for sample
+                    r = acc_scale[a:b].unsqueeze(-1)
+                    q.mul_(torch.addcmul(c, p, r) if accept == "greedy" else torch.where(q < p, c + r, c))
+                if g_soft is not None:
+                    gq.addcmul_(p, g_soft[a:b].unsqueeze(-1), value=-1.0)
                 if g_nll is not None:
                     gq.scatter_add_(-1, labels[a:b].unsqueeze(-1), -g_nll[a:b].unsqueeze(-1))
                 if not in_place:
                     grad[a:b] = gq
-        return grad, None, None, None, None
+        return (grad, *none)
 
 
 def default_chunk_rows(vocab_size: int) -> int:
@@ -231,9 +272,11 @@ def slot_statistics(
     target_probs: torch.Tensor | None = None,  # (N, K, V) target's distribution p_k, no gradient
     *,
     accept: str | None = None,  # None | "greedy" | "sample"; needs target_probs
+    with_argmax: bool = False,  # also return argmax (always computed for accept="greedy")
+    with_correct: bool = False,  # also return argmax == label
     chunk_size: int | None = None,  # rows of V logits per chunk; None = about 2**19 values
 ) -> SlotStats:
-    """Per-slot cross-entropy, log-acceptance and argmax in one chunked pass over the logits.
+    """Per-slot cross-entropy, log-acceptance and argmax/correctness in one chunked pass over the logits.
 
     * ``nll`` = −log q_k(y_k) = logsumexp(x) − x_y, the hard-label CE (so log q_k(y_k) = −nll).
     * ``soft_ce`` = −Σ_v p_k(v) log q_k(v) (cross-entropy against p, without p's entropy).
@@ -245,6 +288,9 @@ def slot_statistics(
         surrogate is maximised by q one-hot at argmax p, which is also where p_k(argmax q_k) peaks.
       - ``"sample"`` (draft drawn from q): log Σ_v min(p_k(v), q_k(v)), value and gradient exact
         (subgradient where p = q).
+
+    * ``argmax`` (with_argmax) and ``correct`` = argmax == y (with_correct), exact ``torch.argmax``
+      semantics (first index on ties); None when not asked for.
 
     Everything is computed in float32 (float64 stays float64); gradients flow to ``logits`` only.
     Masked slots hold 0 in nll, soft_ce and log_accept (probability 1: "always accepted").
@@ -262,15 +308,16 @@ def slot_statistics(
     if not flat.is_contiguous():
         flat = flat.contiguous()
     probs = None if target_probs is None else target_probs.detach().reshape(N * K, V)
-    nll, soft_ce, log_accept, argmax = _SlotStatsFunction.apply(
-        flat, labels.reshape(-1), probs, accept, chunk
+    nll, soft_ce, log_accept, argmax, correct = _SlotStatsFunction.apply(
+        flat, labels.reshape(-1), probs, accept, chunk, with_argmax, with_correct
     )
     zero = lambda t: torch.where(mask, t.view(N, K), 0.0)
     return SlotStats(
         nll=zero(nll),
         soft_ce=zero(soft_ce) if target_probs is not None else None,
         log_accept=zero(log_accept) if accept is not None else None,
-        argmax=argmax.view(N, K),
+        argmax=argmax.view(N, K) if (with_argmax or accept == "greedy") else None,
+        correct=correct.view(N, K) if with_correct else None,
     )
 
 
@@ -290,15 +337,23 @@ def slot_cross_entropy(
 # first error and focal term
 
 
+def first_error_from_correct(
+    correct: torch.Tensor,  # (N, K) bool, argmax == label
+    mask: torch.Tensor,  # (N, K) bool
+) -> torch.Tensor:  # (N,) long
+    """0-based index of the first unmasked slot that is not correct; K where there is none."""
+    errors = mask.bool() & ~correct.bool()  # (N, K)
+    K = errors.shape[-1]
+    return torch.where(errors.any(-1), errors.to(torch.uint8).argmax(-1), K)
+
+
 def first_error_from_argmax(
     argmax: torch.Tensor,  # (N, K) long
     labels: torch.Tensor,  # (N, K) long
     mask: torch.Tensor,  # (N, K) bool
 ) -> torch.Tensor:  # (N,) long
     """0-based index of the first unmasked slot with argmax ≠ label; K where there is none."""
-    errors = mask.bool() & (argmax != labels)  # (N, K)
-    K = errors.shape[-1]
-    return torch.where(errors.any(-1), errors.to(torch.uint8).argmax(-1), K)
+    return first_error_from_correct(argmax == labels, mask)
 
 
 def first_error_index(

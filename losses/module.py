@@ -143,6 +143,7 @@ class AcceptanceAlignedLoss(nn.Module):
             stats = LF.slot_statistics(
                 logits, labels, mask, target_probs,
                 accept=self.draft_sampling if (self.soft and need_accept) else None,
+                with_correct=use_focal,
                 chunk_size=self.chunk_size,
             )
             ce = stats.soft_ce if self.soft else stats.nll  # (N, K) ℓ_k, 0 where masked
@@ -154,7 +155,7 @@ class AcceptanceAlignedLoss(nn.Module):
                 weights = LF.positional_weights(K, self.gamma, self.schedule, device=ce.device, dtype=ce.dtype)
                 weights = weights.expand(N, K) * m  # (N, K)
             blocks = mask.any(-1)  # (N,)
-            first_error = LF.first_error_from_argmax(stats.argmax, labels, mask) if use_focal else None
+            first_error = LF.first_error_from_correct(stats.correct, mask) if use_focal else None
             local = torch.stack([
                 weights.sum(), m.sum(), blocks.sum().to(ce.dtype),
                 (first_error < K).sum().to(ce.dtype) if use_focal else ce.new_zeros(()),

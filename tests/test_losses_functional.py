@@ -77,7 +77,8 @@ def test_slot_statistics_match_reference(chunk_size):
     N, K, _V = logits.shape
     g_nll, g_soft, g_acc = torch.randn(3, N, K, generator=torch.Generator().manual_seed(1))
     for accept in ("greedy", "sample"):
-        stats = slot_statistics(logits, labels, mask, probs, accept=accept, chunk_size=chunk_size)
+        stats = slot_statistics(logits, labels, mask, probs, accept=accept, chunk_size=chunk_size,
+                                with_argmax=True, with_correct=True)
         ours = torch.autograd.grad((g_nll * stats.nll + g_soft * stats.soft_ce).sum(), logits, retain_graph=True)[0]
         if accept == "sample":
             ours_acc = torch.autograd.grad((g_acc * stats.log_accept).sum(), logits)[0]
@@ -91,6 +92,7 @@ def test_slot_statistics_match_reference(chunk_size):
         torch.testing.assert_close(stats.soft_ce, soft)
         torch.testing.assert_close(ours, ref)
         assert torch.equal(stats.argmax, logits.argmax(-1))
+        assert torch.equal(stats.correct, logits.argmax(-1) == labels.clamp_min(0))
         if accept == "greedy":
             chosen = probs.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
             torch.testing.assert_close(stats.log_accept, torch.where(mask, chosen.log(), 0.0))
@@ -111,6 +113,31 @@ def test_greedy_accept_is_straight_through():
     surrogate = torch.where(mask, (torch.softmax(logits, -1) * probs).sum(-1).log(), 0.0)
     ref = torch.autograd.grad((g * surrogate).sum(), logits)[0]
     torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_and_correct_are_exact_under_ties(dtype):
+    """argmax (first index on ties) and argmax == label, with many exact ties (small integer logits,
+    bf16 rounding), near-ties and confident rows: both the fast path and the tie fallback are used."""
+    g = torch.Generator().manual_seed(12)
+    N, K, V = 40, 6, 9
+    logits = torch.randint(-2, 3, (N, K, V), generator=g).to(dtype)  # ties everywhere
+    logits[:10] += torch.randn(10, K, V, generator=g).to(dtype) * 1e-6  # near-ties
+    logits[10:20] = (torch.randn(10, K, V, generator=g) * 8).to(dtype)  # mostly unique, confident maxima
+    labels = torch.where(torch.rand(N, K, generator=g) < 0.6, logits.argmax(-1),
+                         torch.randint(0, V, (N, K), generator=g))
+    # labels at a tied maximum that is not the first one: argmax differs from the label
+    tied_second = (logits == logits.amax(-1, keepdim=True)).to(torch.uint8).flip(-1).argmax(-1)
+    labels[20:30] = V - 1 - tied_second[20:30]
+    expected = logits.argmax(-1)
+    for chunk in (5, None):
+        fast = slot_statistics(logits, labels, None, with_correct=True, chunk_size=chunk)
+        full = slot_statistics(logits, labels, None, with_argmax=True, with_correct=True, chunk_size=chunk)
+        assert torch.equal(full.argmax, expected)
+        assert torch.equal(fast.correct, expected == labels)
+        assert torch.equal(full.correct, expected == labels)
+    assert (expected == labels).float().mean().item() > 0.3 and (expected[20:30] != labels[20:30]).any()
+    assert fast.argmax is None
 
 
 def test_slot_statistics_gradcheck():

@@ -45,9 +45,9 @@ def make_module(target, loss=None, lr=3e-3, max_steps=40, num_anchors=16, seed=0
 
 
 def make_trainer(max_steps, **kwargs):
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0, max_epochs=-1)
+    defaults = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+                "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
+                "limit_val_batches": 0, "max_epochs": -1}
     defaults.update(kwargs)
     return L.Trainer(max_steps=max_steps, **defaults)
 
@@ -111,7 +111,7 @@ def test_warmup_cosine_schedule():
 
 
 def test_training_raises_online_accepted_length(trained):
-    module, before, after, trainer = trained
+    _, before, after, trainer = trained
     assert after > before + 0.08, (before, after)
     metrics = trainer.callback_metrics
     for key in ("val/loss", "val/tau_greedy", "val/tau_soft", "val/acc_slot1", "val/ce"):
@@ -171,7 +171,7 @@ def test_resume_continues_at_the_right_step(greedy_data, tmp_path):
     assert ckpt["global_step"] == 4
     assert all(k.startswith("drafter.") for k in ckpt["state_dict"])  # never the frozen target
     assert ckpt["drafter_config"]["block_size"] == 4
-    assert [s["step"] for s in ckpt["optimizer_states"][0]["state"].values()][0] == 4
+    assert all(int(s["step"]) == 4 for s in ckpt["optimizer_states"][0]["state"].values())
 
     resumed, trainer = _fit(target, data_dir, 8, ckpt_dir, resume_from=str(ckpt_dir / "last.ckpt"))
     assert trainer.global_step == 8
@@ -197,9 +197,11 @@ def test_ddp_spawn_two_processes(greedy_data):
     datamodule = RegenDataModule(str(data_dir), batch_size=2, val_fraction=0.1, max_val_samples=2)
     trainer = make_trainer(2, strategy="ddp_spawn", devices=2, limit_val_batches=1, val_check_interval=2,
                            check_val_every_n_epoch=None)
+    before = {k: v.clone() for k, v in module.drafter.state_dict().items()}
     trainer.fit(module, datamodule=datamodule)
-    assert trainer.global_step == 2
-    assert "val/tau_greedy" in trainer.callback_metrics
+    # ddp_spawn hands back rank 0's weights and metrics (not the loop state) to this process
+    assert trainer.state.finished and "val/tau_greedy" in trainer.callback_metrics
+    assert any(not torch.equal(before[k], v) for k, v in module.drafter.state_dict().items())
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,0 +1,185 @@
+"""Benchmark: drafter training throughput and peak memory for each loss configuration.
+
+    python -m experiments.bench_train [--target PATH] [--losses uniform chain ...] [--out runs/bench_train.json]
+
+One training step is what :class:`drafters.DrafterLightningModule` does: a target forward (no grad,
+hidden states; full logits only for soft losses), random anchors, the drafter on every block, the
+loss, backward, AdamW step. Batches are synthetic (random tokens, a ``--prompt-len`` prompt, the
+rest response; throughput does not depend on content). For each ``conf/loss/<name>.yaml`` it
+reports, over ``--steps`` timed steps after ``--warmup``:
+
+* ``blocks_per_s`` (blocks with a label) and ``tokens_per_s`` (supervised slots), wall clock;
+* ``cpu_s_per_step`` (process CPU time; the stable measure on a shared machine) and the share of
+  the step spent in the target forward;
+* ``peak_rss_mb``: the process's peak resident memory during that config's steps (Linux: the peak
+  is reset through ``/proc/self/clear_refs`` before each config; elsewhere ``getrusage``'s
+  lifetime peak), ``peak_cuda_mb`` on a GPU.
+
+Plus, once, the cost of one validation batch (teacher-forced τ over every response anchor). The
+default target is the embedded tiny target if it has been trained, else a random Llama of its size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import resource
+import time
+from pathlib import Path
+
+import hydra.utils
+import torch
+from omegaconf import OmegaConf
+
+from drafters import BlockDiffusionDrafter
+from drafters.module import DrafterLightningModule, anchor_acceptance, warmup_cosine
+from experiments.target import TINY_TARGET_DIR, load_target
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "loss"
+LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def random_target(device: str):
+    """A random Llama shaped like the embedded tiny target (conf/target/tiny.yaml's recipe)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device).eval().requires_grad_(False)
+
+
+def make_batch(batch_size: int, seq_len: int, prompt_len: int, vocab: int, device: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+            "prompt_len": torch.full((batch_size,), prompt_len, device=device),
+            "length": torch.full((batch_size,), seq_len, device=device)}
+
+
+def bench_loss(name: str, target, args, batch) -> dict:
+    loss = hydra.utils.instantiate(OmegaConf.load(CONF / f"{name}.yaml"))
+    torch.manual_seed(0)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    drafter.to(args.device)
+    module = DrafterLightningModule(
+        drafter, target, loss, functools.partial(torch.optim.AdamW, lr=6e-4, weight_decay=0.01),
+        functools.partial(warmup_cosine, warmup_steps=10, max_steps=1000), num_anchors=args.num_anchors,
+    ).to(args.device)
+    optimizer = module.configure_optimizers()["optimizer"]
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    blocks = tokens = 0
+    target_s = wall = cpu = 0.0
+    reset_ok = reset_peak_rss()
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = module._run_target(batch, full_logits=loss.soft)
+        sync()
+        t1 = time.perf_counter()
+        logits, labels, mask, probs = module._blocks(batch, out, torch.Generator().manual_seed(step))
+        value, _ = loss(logits, labels, mask, probs)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        sync()
+        if step >= args.warmup:
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            target_s += t1 - t0
+            blocks += int(mask.any(-1).sum())
+            tokens += int(mask.sum())
+    result = {
+        "loss": name, "soft": bool(loss.soft),
+        "blocks_per_s": blocks / wall, "tokens_per_s": tokens / wall,
+        "s_per_step": wall / args.steps, "cpu_s_per_step": cpu / args.steps,
+        "target_forward_share": target_s / wall, "blocks_per_step": blocks / args.steps,
+        "peak_rss_mb": round(peak_rss_mb(), 1), "peak_rss_is_per_config": reset_ok,
+        "final_loss": float(value.detach()),
+    }
+    if args.device.startswith("cuda"):
+        result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+@torch.no_grad()
+def bench_validation(target, args, batch) -> dict:
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    drafter.to(args.device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    anchor_acceptance(drafter, out.hidden_states, out.logits, batch["input_ids"], batch["attention_mask"],
+                      batch["prompt_len"], batch["length"], chunk=64)
+    anchors = int((batch["length"] - batch["prompt_len"]).sum())
+    wall = time.perf_counter() - t0
+    return {"s_per_batch": wall, "cpu_s_per_batch": time.process_time() - c0, "anchors_per_s": anchors / wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF model folder (default: the embedded tiny target, if trained)")
+    p.add_argument("--losses", nargs="+", default=list(LOSSES))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--num-anchors", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="runs/bench_train.json")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.target or (str(TINY_TARGET_DIR) if (TINY_TARGET_DIR / "config.json").is_file() else None)
+    target = load_target(path, device=args.device)[0] if path else random_target(args.device)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    batch = make_batch(args.batch_size, args.seq_len, args.prompt_len, vocab, args.device)
+    results = []
+    for name in args.losses:
+        results.append(bench_loss(name, target, args, batch))
+        r = results[-1]
+        print(f"[bench_train] {name:12s} {r['blocks_per_s']:8.1f} blocks/s {r['tokens_per_s']:9.1f} tok/s "
+              f"{r['s_per_step']:.3f} s/step (cpu {r['cpu_s_per_step']:.3f}) target {r['target_forward_share']:.0%} "
+              f"peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    report = {
+        "target": path or "random Llama (tiny-target shape)",
+        "target_parameters": sum(q.numel() for q in target.parameters()),
+        "settings": {k: v for k, v in vars(args).items() if k not in {"out", "losses"}},
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(),
+        "losses": results,
+        "validation_batch": bench_validation(target, args, batch),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"[bench_train] wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

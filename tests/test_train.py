@@ -1,0 +1,176 @@
+"""End to end through Hydra: experiments.regenerate then experiments.train on a tiny random target.
+
+The entry points run in this process (``main()`` with a patched ``sys.argv``; ``HYDRA_FULL_ERROR=1``
+so errors surface as exceptions). Runs and caches go to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from drafters import BlockDiffusionDrafter
+from drafters.data import finished_ids, read_meta, shard_dirs
+from experiments import regenerate, train
+
+TEXTS = [
+    "Hello, how are you today? I am fine, thank you.",
+    "What is the capital of France? Paris is the capital of France.",
+    "def add(a, b):\n    return a + b\n",
+    "Tom has 3 apples and buys 5 more. How many apples does he have? 8.",
+] * 20
+
+
+def save_target(path, hidden: int = 32, seed: int = 0):
+    """A random Llama with a small byte-level BPE tokenizer (chat template included), saved to ``path``."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from experiments.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(TEXTS, vocab_size=300)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    config.mask_token_id = tok.mask_token_id
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run_main(module, args: list[str]):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [module.__name__, *args])
+        mp.setenv("HYDRA_FULL_ERROR", "1")
+        module.main()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"BLOCKDRAFT_RUNS": root / "runs", "BLOCKDRAFT_CACHE": root / "cache",
+                           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+                           "WANDB_DIR": root / "wandb", "TOKENIZERS_PARALLELISM": "false"}.items():
+            mp.setenv(key, str(value))
+        target = save_target(root / "target")
+        base = ["target=hf", f"target.path={target}", "experiment=smoke"]
+        run_main(regenerate, [*base, "suite=[humaneval,gsm_symbolic]", "shard_size=5"])
+        data_dirs = list((root / "cache" / "regen" / "hf").iterdir())
+        yield {"root": root, "target": target, "base": base, "data_dir": data_dirs[0], "num_dirs": len(data_dirs)}
+
+
+# ----------------------------------------------------------------------------- regenerate
+
+
+def test_regenerate_writes_a_resumable_cached_dataset(env):
+    data_dir = env["data_dir"]
+    assert env["num_dirs"] == 1 and len(data_dir.name) == 12  # .../regen/hf/<settings hash>
+    meta = read_meta(data_dir)
+    assert meta["complete"] and meta["settings"]["generation"]["max_new_tokens"] == 32
+    shards = shard_dirs(data_dir)
+    ids = finished_ids(data_dir)
+    assert len(shards) >= 2 and len(ids) == meta["rows"] > 0
+    from datasets import load_from_disk
+
+    row = load_from_disk(str(shards[0]))[0]
+    assert set(row) == {"id", "domain", "input_ids", "prompt_len"}
+    assert row["domain"] in {"dialogue", "reasoning"} and len(row["input_ids"]) > row["prompt_len"] > 0
+
+    # a killed job: the last shard never got written; the rerun regenerates only its rows
+    import shutil
+
+    first_mtime = shards[0].stat().st_mtime_ns
+    lost = finished_ids(data_dir) - {i for s in shards[:-1] for i in load_from_disk(str(s))["id"]}
+    shutil.rmtree(shards[-1])
+    run_main(regenerate, [*env["base"], "suite=[humaneval,gsm_symbolic]", "shard_size=5"])
+    assert finished_ids(data_dir) == ids and lost
+    assert shards[0].stat().st_mtime_ns == first_mtime and len(shard_dirs(data_dir)) == len(shards)
+
+
+def test_prompts_overlapping_a_suite_fail_loudly():
+    from experiments.suites import load_humaneval
+
+    prompts = [regenerate.as_messages(p) for p in load_humaneval(limit=2)]
+    prompts.append(("dialogue/x", "dialogue", [{"role": "user", "content": "Hello there, how are you?"}]))
+    suites = OmegaConf.create({"humaneval": {"_target_": "experiments.suites.load_humaneval"}})
+    decon = OmegaConf.create({"ngram": 13, "min_chars": 20, "exact_only_domains": ["reasoning"]})
+    with pytest.raises(ValueError, match="overlap the evaluation suites"):
+        regenerate.check_disjoint(prompts, suites, decon)
+    assert regenerate.check_disjoint(prompts[2:], suites, decon) == 164
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def read_metrics(run_dir):
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_end_to_end_and_resume(env):
+    run_main(train, env["base"])
+    run_dir = env["root"] / "runs" / "train" / "smoke-hf-uniform"
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["resumed_from_step"] is None
+    assert summary["data_dir"] == str(env["data_dir"]) and 1.0 <= summary["val"]["val/tau_greedy"] <= 4.0
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    from experiments.target import load_target
+
+    target, _ = load_target(str(env["target"]))
+    drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=target)
+    assert drafter.config.block_size == 4
+    rows = read_metrics(run_dir)
+    assert any(r["val/tau_greedy"] for r in rows) and any(r["train/loss"] for r in rows)
+
+    run_main(train, [*env["base"], "train.max_steps=9"])  # the same run, continued
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["steps"] == 9 and summary["resumed_from_step"] == 6
+    steps = [int(r["step"]) for r in read_metrics(run_dir) if r["train/loss"]]
+    assert min(steps) == 0 and max(steps) >= 8  # the history of both runs is kept
+    with pytest.raises(FileExistsError, match="resume=false"):
+        run_main(train, [*env["base"], "resume=false"])
+
+
+def test_train_with_wandb_offline(env):
+    run_main(train, [*env["base"], "logger=wandb", "name=wb", "train.max_steps=2", "train.val_every=2"])
+    run_dir = env["root"] / "runs" / "train" / "wb"
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert json.loads((run_dir / "train_summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("override, error", [
+    ("drafter.block_size=1", "block_size"),
+    ("drafter.mask_token_id=100000", "mask_token_id"),
+])
+def test_bad_drafter_settings_are_clear_errors(env, override, error):
+    with pytest.raises(Exception, match=error):
+        run_main(train, [*env["base"], override, "name=bad"])
+
+
+def test_empty_or_foreign_data_is_refused(env):
+    empty = env["root"] / "empty"
+    with pytest.raises(FileNotFoundError, match="is empty"):
+        run_main(train, [*env["base"], f"data.data_dir={empty}", "name=empty"])
+    other = save_target(env["root"] / "other", hidden=48, seed=1)
+    with pytest.raises(ValueError, match="another target"):
+        run_main(train, ["target=hf", f"target.path={other}", "experiment=smoke",
+                         f"data.data_dir={env['data_dir']}", "name=other"])
+
+
+def test_train_then_evaluate(env):
+    run_main(train, [*env["base"], "name=ev", "train.max_steps=2", "train.val_every=2", "evaluate.enabled=true",
+                     "suite=humaneval", "suite.humaneval.limit=2", "evaluate.temperatures=[0.0]",
+                     "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10", "evaluate.measure_target_only=false",
+                     "evaluate.progress=false"])
+    results = json.loads((env["root"] / "runs" / "train" / "ev" / "results.json").read_text())
+    assert results["results"]["humaneval"]["t0"]["tau"] >= 1.0
