@@ -115,13 +115,15 @@ def write_card(target_dir: Path, quality: dict) -> None:
         "## Measured quality (`python -m experiments.target_quality write_card=true`)", "",
         "Held-out loss per domain (nats/token): " + ", ".join(
             f"{k} {v:.3f}" for k, v in quality.get("heldout_loss", {}).items()), "",
-        "| suite | T | repeated 4-gram share | distinct-2 | mean answer tokens |", "|---|---|---|---|---|",
+        "| suite | T | prompts | repeated 4-gram share | distinct-2 | mean answer tokens |", "|---|---|---|---|---|---|",
     ]
     for suite, by_t in quality.get("answers", {}).items():
         for t, s in by_t.items():
-            lines.append(f"| {suite} | {t} | {s['repeated_4gram_share']:.3f} | {s['distinct_2']:.3f} | "
+            lines.append(f"| {suite} | {t} | {s['prompts']} | {s['repeated_4gram_share']:.3f} | {s['distinct_2']:.3f} | "
                          f"{s['mean_answer_tokens']:.1f} |")
-    lines += ["", f"Answers of up to {quality.get('max_new_tokens')} tokens; a share near 0 means no loops.", ""]
+    lines += ["", f"First-turn answers of up to {quality.get('max_new_tokens')} tokens (the first `prompts` of each "
+              "suite); a repeated share near 0 means no loops. Greedy (T=0) answers to code prompts still loop "
+              "often: treat T=0 code numbers with care and read them beside T=1.", ""]
     (target_dir / "README.md").write_text("\n".join(lines))
 
 
