@@ -133,6 +133,16 @@ def target_fingerprint(target_config: Any) -> dict[str, Any]:
     }
 
 
+def target_final_norm_weight(target: nn.Module) -> torch.Tensor | None:
+    """The weight of the target's final norm (Llama/Qwen ``model.norm``, GPT-2 ``transformer.ln_f``)."""
+    base = getattr(target, "base_model", target)
+    for name in ("norm", "ln_f", "final_layernorm"):
+        module = getattr(base, name, None)
+        if module is not None and getattr(module, "weight", None) is not None:
+            return module.weight.detach()
+    return None
+
+
 def default_target_layer_ids(
     num_hidden_layers: int, max_layers: int = MAX_DEFAULT_TARGET_LAYERS
 ) -> tuple[int, ...]:
@@ -357,6 +367,12 @@ class BlockDiffusionDrafter(nn.Module):
         fields.update({k: v for k, v in overrides.items() if v is not None})
         drafter = cls(DrafterConfig(**fields))
         drafter.attach_target(target)
+        final_norm = target_final_norm_weight(target)
+        if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
+            # Start the output norm at the target's own scale: the shared LM head then gives
+            # calibrated logits from step 0 (a unit norm gives CE ~30 nats on a trained target).
+            with torch.no_grad():
+                drafter.norm.weight.copy_(final_norm.float())
         return drafter
 
     def attach_target(self, target: nn.Module) -> BlockDiffusionDrafter:

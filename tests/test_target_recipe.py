@@ -84,7 +84,7 @@ def _recipe_cfg(tmp_path, max_steps):
             overrides=[
                 f"paths.run_dir={tmp_path}/run",
                 f"export_dir={tmp_path}/export",
-                "target.recipe.mixture={fortunes: 0.5, dialogue: 0.5}",
+                "target.recipe.mixture={dialogue: 1.0}",
                 "target.recipe.vocab_size=300",
                 "target.recipe.seq_len=32",
                 "target.recipe.batch_size=4",

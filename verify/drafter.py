@@ -32,6 +32,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from verify.rejection import sample_tokens, warp_probs
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -179,8 +181,6 @@ class AssistantDrafter:
         return out.logits[:, -1]
 
     def draft(self, anchor_ids, anchor_position_ids, *, temperature=0.0, top_k=None, top_p=None, generator=None):
-        from verify.rejection import sample_tokens, warp_probs
-
         greedy = temperature == 0 or self.deterministic
         ones = torch.ones_like(anchor_ids).unsqueeze(1)  # (B, 1)
         logits = self._forward(
