@@ -367,12 +367,18 @@ class BlockDiffusionDrafter(nn.Module):
         fields.update({k: v for k, v in overrides.items() if v is not None})
         drafter = cls(DrafterConfig(**fields))
         drafter.attach_target(target)
+        # Start with near-uniform logits. The block states begin as the MASK embedding, and through
+        # the shared LM head a unit output norm gives ~50 nats of CE on a trained target; those first
+        # gradients saturate the attention and the drafter collapses to one constant prediction
+        # (seen on the tiny target). The target's final-norm weight / sqrt(H) keeps its per-channel
+        # shape at a scale where the first loss is ~ln V and the drafter learns.
         final_norm = target_final_norm_weight(target)
-        if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
-            # Start the output norm at the target's own scale: the shared LM head then gives
-            # calibrated logits from step 0 (a unit norm gives CE ~30 nats on a trained target).
-            with torch.no_grad():
-                drafter.norm.weight.copy_(final_norm.float())
+        scale = drafter.config.hidden_size ** -0.5
+        with torch.no_grad():
+            if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
+                drafter.norm.weight.copy_(final_norm.float() * scale)
+            else:
+                drafter.norm.weight.fill_(scale)
         return drafter
 
     def attach_target(self, target: nn.Module) -> BlockDiffusionDrafter:

@@ -32,7 +32,7 @@ def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
     cmd = [sys.executable, "-m", module, *overrides]
     print(f"\n=== [{name}] {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
     t = time.time()
-    proc = subprocess.run(cmd)
+    proc = subprocess.run(cmd, check=False)
     seconds = time.time() - t
     log["stages"].append({"stage": name, "command": " ".join(cmd[1:]), "seconds": round(seconds, 1)})
     print(f"=== [{name}] done in {seconds / 60:.1f} min", flush=True)
@@ -48,12 +48,13 @@ def run(cfg: DictConfig) -> dict:
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
     t0 = time.time()
 
-    stage("regenerate", "experiments.regenerate", [*common, *cfg.regenerate_overrides,
+    data = list(cfg.data_overrides)  # the regenerated data, shared by regenerate and train
+    stage("regenerate", "experiments.regenerate", [*common, *data, *cfg.regenerate_overrides,
                                                     f"hydra.run.dir={run_dir}/regenerate"], log)
     eval_dirs = []
     for loss in cfg.losses:
         train_dir = run_dir / "train" / loss
-        stage(f"train {loss}", "experiments.train", [*common, f"loss={loss}", f"seed={cfg.seed}",
+        stage(f"train {loss}", "experiments.train", [*common, *data, f"loss={loss}", f"seed={cfg.seed}",
                                                      *cfg.train_overrides, f"hydra.run.dir={train_dir}"], log)
         eval_dir = run_dir / "eval" / loss
         stage(f"evaluate {loss}", "experiments.evaluate", [*common, f"drafter.path={train_dir}/drafter",

@@ -27,7 +27,6 @@ ranges), which still get the exact-containment check.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -39,18 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import data as regen
-
-
-def settings_hash(*parts) -> str:
-    """A short stable hash of config values (DictConfig/ListConfig/str/...), for cache folder names."""
-    plain = [OmegaConf.to_container(p, resolve=True) if OmegaConf.is_config(p) else p for p in parts]
-    return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-# ${settings_hash:${target.path},${data.generation}} in conf/data/regen.yaml.
-if not OmegaConf.has_resolver("settings_hash"):
-    OmegaConf.register_new_resolver("settings_hash", settings_hash)
-
+from experiments import settings_hash  # noqa: F401  (re-exported; the resolver lives there)
 
 # ----------------------------------------------------------------------------- prompts
 

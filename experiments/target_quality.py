@@ -84,7 +84,7 @@ def answer_stats(model, tokenizer, prompts, temperature, max_new_tokens, max_pro
             lengths.append(len(toks))
             if len(examples) < 2:
                 examples.append(tokenizer.decode(toks))
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    mean = lambda xs: sum(xs) / max(len(xs), 1)
     return {"repeated_4gram_share": mean(rep), "distinct_2": mean(dist), "mean_answer_tokens": mean(lengths),
             "prompts": len(prompts), "examples": examples}
 
@@ -101,10 +101,10 @@ def write_card(target_dir: Path, quality: dict) -> None:
         "## Training", "",
         f"- command: `{train.get('command', '?')}`",
         f"- parameters: {train.get('parameters', 0) / 1e6:.2f}M; architecture: {json.dumps(rec.get('model', {}))}",
-        f"- vocabulary: {rec.get('vocab_size')} (byte-level BPE trained on the same corpus; chat template with "
-        "`<|user|>`/`<|assistant|>` turns, `<|mask|>` reserved for drafters)",
-        f"- steps: {train.get('steps')}, batch {rec.get('batch_size')} x {rec.get('seq_len')} tokens = "
-        f"{train.get('train_tokens', 0) / 1e6:.1f}M training tokens",
+        (f"- vocabulary: {rec.get('vocab_size')} (byte-level BPE trained on the same corpus; chat template with "
+        "`<|user|>`/`<|assistant|>` turns, `<|mask|>` reserved for drafters)"),
+        (f"- steps: {train.get('steps')}, batch {rec.get('batch_size')} x {rec.get('seq_len')} tokens = "
+        f"{train.get('train_tokens', 0) / 1e6:.1f}M training tokens"),
         f"- optimiser: {json.dumps(rec.get('optim', {}))}",
         f"- mixture (sampling weights): {json.dumps(rec.get('mixture', {}))}",
         f"- tokens per source (train/val): {json.dumps(train.get('tokens_per_source', {}))}",
@@ -121,9 +121,9 @@ def write_card(target_dir: Path, quality: dict) -> None:
         for t, s in by_t.items():
             lines.append(f"| {suite} | {t} | {s['prompts']} | {s['repeated_4gram_share']:.3f} | {s['distinct_2']:.3f} | "
                          f"{s['mean_answer_tokens']:.1f} |")
-    lines += ["", f"First-turn answers of up to {quality.get('max_new_tokens')} tokens (the first `prompts` of each "
+    lines += ["", (f"First-turn answers of up to {quality.get('max_new_tokens')} tokens (the first `prompts` of each "
               "suite); a repeated share near 0 means no loops. Greedy (T=0) answers to code prompts still loop "
-              "often: treat T=0 code numbers with care and read them beside T=1.", ""]
+              "often: treat T=0 code numbers with care and read them beside T=1."), ""]
     (target_dir / "README.md").write_text("\n".join(lines))
 
 

@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from experiments import corpora
 
-
 # ----------------------------------------------------------------------------- data
 
 
@@ -232,7 +231,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
 
     t = time.time()
     index = build_token_streams(recipe, tokenizer, run_dir / "tokens")
-    load = lambda part: {  # noqa: E731
+    load = lambda part: {
         n: np.load(run_dir / "tokens" / f"{n}.{part}.npy", mmap_mode="r") for n in index if index[n][part] > 0
     }
     train_streams, val_streams = load("train"), load("val")

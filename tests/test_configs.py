@@ -58,7 +58,7 @@ def test_tiny_target_path_points_into_the_package():
 def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"```bash\n(.+?)\n```", setup, flags=re.S)
+    commands = re.findall(r"```bash\n(.+?)\n```", setup, flags=re.DOTALL)
     assert len(commands) == 2, commands
     main_cmd, test_cmd = commands
     assert "experiments.main" in main_cmd and "pytest" in test_cmd
