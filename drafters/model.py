@@ -492,7 +492,8 @@ class BlockDiffusionDrafter(nn.Module):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)  # (Bt, A*B, H)
-        x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, 1:]  # (Bt, A, K, H): slots 1..K
+        # (Bt, A, K, H): slots 1..K, made contiguous so the head runs as one plain matmul
+        x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, 1:].contiguous()
         head = target.get_output_embeddings()
         return head(x.to(head.weight.dtype)).float()  # (Bt, A, K, V)
 

@@ -468,6 +468,7 @@ def load_suites(
 
     ``names`` selects a subset (in that order); an unknown name raises and lists the configured ones.
     """
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     if not cfg_suite:
@@ -482,7 +483,13 @@ def load_suites(
         cfg = cfg_suite[name]
         if not isinstance(cfg, Mapping) or "_target_" not in cfg:
             raise ValueError(f"suite {name!r}: config must be a mapping with a `_target_`, got {cfg!r}")
-        prompts = instantiate(cfg)
+        try:
+            prompts = instantiate(cfg)
+        except InstantiationException as err:  # surface the loader's own error (file, line, field)
+            cause = err.__cause__
+            if isinstance(cause, (SuiteDataError, FetchError, FileNotFoundError)):
+                raise cause from None
+            raise
         if not isinstance(prompts, list) or not all(isinstance(p, Prompt) for p in prompts):
             raise TypeError(f"suite {name!r}: {cfg['_target_']} must return a list of Prompt")
         out[name] = prompts
