@@ -95,7 +95,7 @@ def export_drafter(checkpoint: Path, drafter_class, out_dir: Path) -> None:
     """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it."""
     from drafters.model import DrafterConfig
 
-    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     drafter = drafter_class(DrafterConfig.from_dict(ckpt["drafter_config"]))
     drafter.load_state_dict(state, strict=True)
@@ -163,7 +163,7 @@ def run(cfg: DictConfig) -> dict:
     )
     if tc.validate_first and not resume:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the untrained drafter, step 0
-    first_step = int(torch.load(last, map_location="cpu", weights_only=False)["global_step"]) if resume else 0
+    first_step = int(torch.load(last, map_location="cpu", weights_only=True)["global_step"]) if resume else 0
     start = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
     train_seconds = time.time() - start

@@ -81,7 +81,7 @@ def _free_port() -> int:
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ddp")
     mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=2, join=True)
-    ranks = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
     features, labels, mask, probs, head = make_problem()
     return run(head, features, labels, mask, probs), ranks
 

@@ -167,7 +167,7 @@ def test_resume_continues_at_the_right_step(greedy_data, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
 
     _fit(target, data_dir, 4, ckpt_dir)  # "killed" after 4 steps
-    ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 4
     assert all(k.startswith("drafter.") for k in ckpt["state_dict"])  # never the frozen target
     assert ckpt["drafter_config"]["block_size"] == 4
