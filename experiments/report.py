@@ -13,6 +13,12 @@ dir, a multirun dir searched recursively, or the files themselves) and writes to
   0..K drafts) and, when the training logs are found (a CSV logger's ``metrics.csv`` with a
   ``val/tau_greedy`` column), ``training_curves.png``.
 
+Seeds: when a configuration was trained with several seeds (e.g. ``seed=0,1,2`` on a multirun),
+each run is labelled ``<loss>-s<seed>`` and compared with the baseline run of the *same* seed, and
+report.md opens with across-seeds tables (τ mean ± SD over seeds; the mean of per-seed gains, each
+seed's gain, and how many seeds gained); the plots then show one bar/line per configuration (seed
+means; error bars = the range over seeds).
+
 A configuration is named by the ``loss`` group choice of the training run it came from, read from
 ``.hydra/hydra.yaml`` (or the ``loss=`` override in ``train_summary.json``) beside the results or
 beside the evaluated drafter; otherwise by its directory name. ``--names`` overrides, in the order
@@ -122,6 +128,11 @@ class Run:
     name: str
     path: Path
     doc: dict = field(repr=False)
+    config: str = ""  # the configuration without the seed (== name unless seeds were disambiguated)
+    seed: Any = None  # the training seed when known
+
+    def __post_init__(self) -> None:
+        self.config = self.config or self.name
 
     @property
     def results(self) -> dict:
@@ -172,17 +183,22 @@ def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -
         docs.append(doc)
     if names is not None:
         labels = list(names)
+        configs, seeds = list(names), [None] * len(names)
     else:
         auto = [_auto_name(f, d) for f, d in zip(files, docs)]
-        plain = [a[0] for a in auto]
-        labels = list(plain)
+        configs, seeds = [a[0] for a in auto], [a[1] for a in auto]
+        labels = list(configs)
         for i, (name, seed) in enumerate(auto):  # disambiguate repeats (e.g. seeds of one loss)
-            if plain.count(name) > 1:
+            if configs.count(name) > 1:
                 labels[i] = f"{name}-s{seed}" if seed is not None else f"{name} ({files[i].parent.name})"
     for i, label in enumerate(labels):
         if labels.count(label) > 1:
             labels[i] = f"{label} #{labels[: i + 1].count(label)}"
-    return [Run(name, f, d) for name, f, d in zip(labels, files, docs)]
+    # Seeds are only aggregated when every repeat of a configuration is told apart by its seed.
+    for i, (config, seed) in enumerate(zip(configs, seeds)):
+        if seed is None or sum(c == config and s == seed for c, s in zip(configs, seeds)) > 1:
+            configs[i], seeds[i] = labels[i], None
+    return [Run(name, f, d, config=c, seed=s) for name, f, d, c, s in zip(labels, files, docs, configs, seeds)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,9 +295,10 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
     if not runs:
         raise ValueError("no runs to report")
     names = [r.name for r in runs]
-    if baseline is not None and baseline not in names:
+    if baseline is not None and baseline not in names and baseline not in {r.config for r in runs}:
         raise ValueError(f"baseline configuration {baseline!r} is not among the runs {names}; "
                          "pass --baseline <name> (or --baseline none)")
+    base_of = {r.name: b.name for r in runs if (b := _baseline_run(runs, r, baseline)) is not None}
     suites: list[str] = []
     temps: dict[str, float] = {}
     for run in runs:
@@ -309,24 +326,25 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
                         "position_acceptance": entry.get("position_acceptance"),
                         "accept_hist": entry.get("accept_hist"),
                     }
-            if baseline is not None and baseline in cells:
-                base = cells[baseline]
-                group = common if suite == MEAN else [suite]
-                base_recs = [_records(runs[names.index(baseline)].results[s][key]) for s in group]
-                for run in runs:
-                    cell = cells.get(run.name)
-                    if cell is None or run.name == baseline:
-                        continue
-                    cell["gain"] = cell["tau"] / base["tau"] - 1.0
-                    low, high, paired = _paired_gain([_records(run.results[s][key]) for s in group], base_recs,
-                                                     num_bootstrap, _rng(seed, key, suite, run.name, "gain"))
-                    cell.update(gain_ci_low=low, gain_ci_high=high, paired_prompts=paired,
-                                ci_overlap=_overlap(cell, base))
+            group = common if suite == MEAN else [suite]
+            for run in runs:
+                cell, base_name = cells.get(run.name), base_of.get(run.name)
+                if cell is None or base_name is None or base_name not in cells:
+                    continue
+                base, base_run = cells[base_name], runs[names.index(base_name)]
+                cell["gain"] = cell["tau"] / base["tau"] - 1.0
+                low, high, paired = _paired_gain([_records(run.results[s][key]) for s in group],
+                                                 [_records(base_run.results[s][key]) for s in group],
+                                                 num_bootstrap, _rng(seed, key, suite, run.name, "gain"))
+                cell.update(baseline_run=base_name, gain_ci_low=low, gain_ci_high=high, paired_prompts=paired,
+                            ci_overlap=_overlap(cell, base))
             table[key][suite] = cells
-    return {
+    report = {
         "baseline": baseline,
         "configurations": [{
             "name": r.name,
+            "config": r.config,
+            "seed": r.seed,
             "results_path": str(r.path),
             "drafter_path": (r.doc.get("drafter") or {}).get("path"),
             "training_run": (r.doc.get("drafter") or {}).get("training_run"),
@@ -338,6 +356,55 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
         "table": table,
         "curves": curves,
     }
+    report["across_seeds"] = aggregate_seeds(report)
+    return report
+
+
+def _baseline_run(runs: Sequence[Run], run: Run, baseline: str | None) -> Run | None:
+    """The run ``run`` is compared with: the run named ``baseline``; else the ``baseline``
+    configuration's run with the same seed, or its only run. None for the baseline itself."""
+    if baseline is None or run.config == baseline or run.name == baseline:
+        return None
+    named = [r for r in runs if r.name == baseline]
+    if named:
+        return named[0]
+    same = [r for r in runs if r.config == baseline and r.seed == run.seed]
+    every = [r for r in runs if r.config == baseline]
+    return same[0] if same else (every[0] if len(every) == 1 else None)
+
+
+def aggregate_seeds(report: dict) -> dict | None:
+    """Per configuration over its seeds, or None when no configuration has two seeds.
+
+    ``[t_key][suite][config]`` holds ``seeds``, per-seed ``taus``, ``tau_mean``, ``tau_sd`` (sample SD;
+    0 for one seed), ``tau_min/max`` and, against the baseline, per-seed ``gains`` (each seed against
+    the baseline run it was paired with), ``gain_mean`` (mean of per-seed gains), ``gain_min/max`` and
+    ``gains_positive`` (how many seeds gained).
+    """
+    configs: dict[str, list[dict]] = {}
+    for c in report["configurations"]:
+        configs.setdefault(c["config"], []).append(c)
+    if not any(len(v) > 1 and all(c["seed"] is not None for c in v) for v in configs.values()):
+        return None
+    out: dict[str, dict] = {}
+    for key, suites in report["table"].items():
+        out[key] = {}
+        for suite, cells in suites.items():
+            out[key][suite] = {}
+            for config, members in configs.items():
+                hits = [(m["seed"], cells[m["name"]]) for m in members if m["name"] in cells]
+                if not hits:
+                    continue
+                taus = [c["tau"] for _, c in hits]
+                agg = {"seeds": [s for s, _ in hits], "taus": taus, "tau_mean": float(np.mean(taus)),
+                       "tau_sd": float(np.std(taus, ddof=1)) if len(taus) > 1 else 0.0,
+                       "tau_min": float(min(taus)), "tau_max": float(max(taus))}
+                gains = [c["gain"] for _, c in hits if "gain" in c]
+                if gains:
+                    agg.update(gains=gains, gain_mean=float(np.mean(gains)), gain_min=float(min(gains)),
+                               gain_max=float(max(gains)), gains_positive=sum(g > 0 for g in gains))
+                out[key][suite][config] = agg
+    return out
 
 
 def training_curve(run: Run, metric: str = CURVE_METRIC) -> tuple[list[int], list[float]] | None:
@@ -391,6 +458,46 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _fmt_seed_tau(agg: dict | None) -> str:
+    if agg is None:
+        return "—"
+    if len(agg["taus"]) == 1:
+        return f"{agg['tau_mean']:.3f} (1 seed)"
+    return f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}"
+
+
+def _fmt_seed_gain(agg: dict | None) -> str:
+    if agg is None or "gains" not in agg:
+        return "—"
+    per_seed = ", ".join(f"{100 * g:+.1f}" for g in agg["gains"])
+    return f"{100 * agg['gain_mean']:+.1f}% ({per_seed}; {agg['gains_positive']}/{len(agg['gains'])} > 0)"
+
+
+def _seed_sections(report: dict, seeds: dict) -> list[str]:
+    """The across-seeds tables: τ mean ± SD over seeds, and the mean of per-seed paired gains."""
+    configs = list(dict.fromkeys(c["config"] for c in report["configurations"]))
+    base = report["baseline"]
+    counts = {c: sum(m["config"] == c for m in report["configurations"]) for c in configs}
+    lines = ["", "# Across seeds", "",
+             "Each configuration was trained once per seed (" + ", ".join(f"{c}: {n}" for c, n in counts.items())
+             + " runs). τ: mean ± sample SD of the per-seed τ."]
+    if base is not None:
+        lines += ["", (f"Gain: mean over seeds of τ / τ({base}, same seed) − 1; in brackets each seed's gain (%) "
+                       "and how many seeds gained. The per-run sections below give each run's prompt-bootstrap "
+                       "intervals.")]
+    for key, temperature in report["temperatures"].items():
+        columns = list(seeds[key])
+        lines += ["", f"## Temperature {temperature:g}, across seeds", "", "### τ (mean ± SD over seeds)", ""]
+        lines += _table(["configuration", *columns],
+                        [[c, *(_fmt_seed_tau(seeds[key][s].get(c)) for s in columns)] for c in configs])
+        if base is not None:
+            lines += ["", f"### Gain over {base} (mean of per-seed gains)", ""]
+            lines += _table(["configuration", *columns],
+                            [[c, *(_fmt_seed_gain(seeds[key][s].get(c)) for s in columns)]
+                             for c in configs if c != base])
+    return lines
+
+
 def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
     """report.md: per temperature, tables of τ, gain over the baseline, and speed."""
     names = [c["name"] for c in report["configurations"]]
@@ -403,6 +510,10 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
         lines += ["", (f"Gain = τ / τ({base}) − 1, with the 95% interval of the ratio from paired resampling "
                        f"of the prompts both configurations evaluated. {OVERLAP_MARK} marks a gain whose τ "
                        f"interval overlaps the {base} interval.")]
+    seeds = report.get("across_seeds")
+    if seeds:
+        lines += _seed_sections(report, seeds)
+        lines += ["", "# Per run", ""]
     lines += ["", "Configurations:", ""]
     lines += [f"- **{c['name']}**: `{c['results_path']}`" + (f" (drafter `{c['drafter_path']}`)"
                                                               if c.get("drafter_path") else "")
@@ -416,7 +527,7 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
             lines += ["", f"### Gain over {base} (95% CI)", ""]
             lines += _table(["configuration", *columns],
                             [[n, *(_fmt_gain(report["table"][key][s].get(n)) for s in columns)]
-                             for n in names if n != base])
+                             for n, c in zip(names, report["configurations"]) if base not in (n, c["config"])])
         speed_cols = [s for s in columns if s != MEAN]
         lines += ["", "### Speed (speculative / target-only tokens per second = speedup)", ""]
         lines += _table(["configuration", *speed_cols],
@@ -459,8 +570,42 @@ def _legend(fig, axes, names: Sequence[str]) -> None:
                ncol=min(len(order), 5), title="configuration")
 
 
-def plot_tau(report: dict, path: Path) -> Path:
-    """Grouped bars of τ per suite (and mean), one bar per configuration, 95% CI error bars; a panel per T."""
+def seed_view(report: dict) -> dict:
+    """A report-shaped dict with one configuration per seed group, for the plots: τ = mean over seeds with
+    ``ci_low/high`` = the seed range (and ``taus`` per seed); accept histograms summed over seeds and
+    a_k averaged over the seeds that reached slot k."""
+    seeds = report["across_seeds"]
+    configs = list(dict.fromkeys(c["config"] for c in report["configurations"]))
+    members = {c: [m["name"] for m in report["configurations"] if m["config"] == c] for c in configs}
+    table = {key: {suite: {c: {"tau": a["tau_mean"], "ci_low": a["tau_min"], "ci_high": a["tau_max"],
+                                "taus": a["taus"]} for c, a in cells.items()}
+                   for suite, cells in suites.items()} for key, suites in seeds.items()}
+    curves: dict = {}
+    for key, suites in report["curves"].items():
+        curves[key] = {}
+        for suite, by_run in suites.items():
+            curves[key][suite] = {}
+            for c in configs:
+                got = [by_run[n] for n in members[c] if n in by_run]
+                hists = [g["accept_hist"] for g in got if g.get("accept_hist")]
+                accs = [g["position_acceptance"] for g in got if g.get("position_acceptance")]
+                if not got:
+                    continue
+                hist = np.sum(hists, axis=0).tolist() if hists and len({len(h) for h in hists}) == 1 else None
+                acc = None
+                if accs and len({len(a) for a in accs}) == 1:
+                    acc = [float(np.mean(vals)) if (vals := [a[k] for a in accs if a[k] is not None]) else None
+                           for k in range(len(accs[0]))]
+                curves[key][suite][c] = {"position_acceptance": acc, "accept_hist": hist}
+    return {**report, "configurations": [{"name": c, "config": c, "seed": None} for c in configs],
+            "table": table, "curves": curves}
+
+
+def plot_tau(report: dict, path: Path,
+             caption: str = "Accepted length τ per suite (error bars: 95% bootstrap CI over prompts)") -> Path:
+    """Grouped bars of τ per suite (and mean), one bar per configuration, with error bars; a panel per T.
+
+    Cells with ``taus`` (a :func:`seed_view`) also get one dot per seed."""
     plt = _pyplot()
     names = [c["name"] for c in report["configurations"]]
     colors = _colors(names)
@@ -486,13 +631,17 @@ def plot_tau(report: dict, path: Path) -> Path:
                 err[1].append(max(high - cell["tau"], 0.0))
             ax.bar(xs, ys, width, yerr=err, capsize=3, color=colors[name], label=name, edgecolor="black",
                    linewidth=0.5, error_kw={"elinewidth": 1})
+            dots = [(x, t) for x, suite in zip(xs, [c for c in columns if name in report["table"][key][c]])
+                    for t in report["table"][key][suite][name].get("taus", [])]
+            if dots:
+                ax.scatter(*zip(*dots), s=9, color="black", zorder=3)
         ax.set_xticks(range(len(columns)), columns)
         ax.set_ylabel("τ (tokens / step)")
         ax.set_title(f"temperature {report['temperatures'][key]:g}")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
     axes[-1, 0].set_xlabel("suite")
-    fig.suptitle("Accepted length τ per suite (error bars: 95% bootstrap CI over prompts)")
+    fig.suptitle(caption)
     _legend(fig, axes, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -579,7 +728,21 @@ def plot_accept_hist(report: dict, path: Path) -> Path:
     return path
 
 
-def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path) -> Path:
+def mean_curves(curves: dict[str, tuple[list[int], list[float]]], groups: dict[str, str]
+                ) -> dict[str, tuple[list[int], list[float]]]:
+    """Curves of the runs of each group (``groups``: run name -> group) averaged at the steps all of them logged."""
+    out = {}
+    for group in dict.fromkeys(groups.values()):
+        got = [curves[n] for n, g in groups.items() if g == group and n in curves]
+        if not got:
+            continue
+        steps = sorted(set.intersection(*(set(s) for s, _ in got)))
+        out[group] = (steps, [float(np.mean([dict(zip(s, v))[t] for s, v in got])) for t in steps])
+    return out
+
+
+def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path,
+                         title: str = f"Training: {CURVE_METRIC}") -> Path:
     """``val/tau_greedy`` vs optimizer step, one line per configuration."""
     plt = _pyplot()
     colors = _colors(list(curves))
@@ -588,7 +751,7 @@ def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path:
         ax.plot(steps, values, marker="o", markersize=3, color=colors[name], label=name)
     ax.set_xlabel("training step")
     ax.set_ylabel("teacher-forced τ (greedy), validation")
-    ax.set_title(f"Training: {CURVE_METRIC}")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(title="configuration")
     fig.savefig(path, dpi=120)
@@ -606,12 +769,21 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
-    plots = [plot_tau(report, out / "tau.png"),
-             plot_position_acceptance(report, out / "position_acceptance.png"),
-             plot_accept_hist(report, out / "accept_hist.png")]
+    if report["across_seeds"]:  # plots show configurations (seed means), not every run
+        view = seed_view(report)
+        plots = [plot_tau(view, out / "tau.png", "Accepted length τ per suite: mean over seeds "
+                          "(error bars: seed range, dots: seeds)")]
+    else:
+        view = report
+        plots = [plot_tau(report, out / "tau.png")]
+    plots += [plot_position_acceptance(view, out / "position_acceptance.png"),
+              plot_accept_hist(view, out / "accept_hist.png")]
     curves = {r.name: c for r in runs if (c := training_curve(r)) is not None}
     report["training_curves"] = {n: {"steps": s, CURVE_METRIC: v} for n, (s, v) in curves.items()}
-    if curves:
+    if curves and report["across_seeds"]:
+        plots.append(plot_training_curves(mean_curves(curves, {r.name: r.config for r in runs}),
+                                          out / "training_curves.png", f"Training: {CURVE_METRIC}, mean over seeds"))
+    elif curves:
         plots.append(plot_training_curves(curves, out / "training_curves.png"))
     (out / "report.md").write_text(render_markdown(report, plots))
     report["files"] = [str(out / "report.md"), str(out / "report.json"), *map(str, plots)]
@@ -655,7 +827,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(f"--num-bootstrap must be >= 1, got {args.num_bootstrap}")
     runs = load_runs(args.paths, args.names)
     baseline = None if args.baseline.lower() == "none" else args.baseline
-    if baseline == "uniform" and baseline not in [r.name for r in runs]:
+    if baseline == "uniform" and baseline not in [r.name for r in runs] + [r.config for r in runs]:
         print(f"[report] no configuration named 'uniform' among {[r.name for r in runs]}: no gains "
               "(pass --baseline <name>)", flush=True)
         baseline = None

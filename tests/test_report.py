@@ -31,10 +31,10 @@ def _entry(suite, key, new, steps, hist, acc):
     }
 
 
-def _docs():
+def _docs(seed=0):
     """uniform and chain results. On code, chain keeps exactly 1.5x uniform's tokens per prompt with the same
     steps, so every paired resample gives the ratio 1.5; on chat the two are independent draws."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     uniform, chain = {}, {}
     for suite, n in SUITES.items():
         uniform[suite], chain[suite] = {}, {}
@@ -179,3 +179,62 @@ def test_wandb_offline(multirun, tmp_path):
     report = rp.main([str(root), "--out", str(tmp_path / "w"), "--num-bootstrap", "50", "--wandb"])
     assert list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert report["wandb_dir"].startswith(str(tmp_path / "w"))
+
+
+def test_seeds_aggregated(tmp_path):
+    """Two seeds of uniform and chain (named by .hydra/): per-seed gains pair each seed with uniform's run of
+    the same seed, the across-seeds tables give mean ± SD, and the plots show one bar per configuration."""
+    docs = {seed: _docs(seed) for seed in (0, 1)}
+    for seed, (uniform, chain) in docs.items():
+        for loss, doc in (("uniform", uniform), ("chain", chain)):
+            d = tmp_path / "sweep" / f"{loss}-s{seed}"
+            (d / ".hydra").mkdir(parents=True)
+            (d / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      loss: {loss}\n")
+            (d / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: x\n")
+            (d / "logs").mkdir()
+            (d / "logs" / "metrics.csv").write_text(
+                f"step,val/tau_greedy\n0,1.0\n100,{1.2 + seed / 10 + (loss == 'chain') / 10}\n")
+            (d / "results.json").write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    report = rp.main([str(tmp_path / "sweep"), "--out", str(out), "--num-bootstrap", "100"])
+    names = [c["name"] for c in report["configurations"]]
+    assert sorted(names) == ["chain-s0", "chain-s1", "uniform-s0", "uniform-s1"]
+    assert {c["name"]: (c["config"], c["seed"]) for c in report["configurations"]}["chain-s1"] == ("chain", 1)
+    seeds = report["across_seeds"]
+    for key in TEMPS:
+        for suite in SUITES:
+            u = [docs[s][0]["results"][suite][key]["tau"] for s in (0, 1)]
+            c = [docs[s][1]["results"][suite][key]["tau"] for s in (0, 1)]
+            # every run's gain is against uniform of its own seed
+            for s in (0, 1):
+                cell = report["table"][key][suite][f"chain-s{s}"]
+                assert cell["baseline_run"] == f"uniform-s{s}"
+                assert cell["gain"] == pytest.approx(c[s] / u[s] - 1)
+            agg = seeds[key][suite]["chain"]
+            assert agg["seeds"] == [0, 1] and agg["taus"] == c
+            assert agg["tau_mean"] == pytest.approx(np.mean(c)) and agg["tau_sd"] == pytest.approx(np.std(c, ddof=1))
+            assert agg["gain_mean"] == pytest.approx(np.mean([c[s] / u[s] - 1 for s in (0, 1)]))
+            assert agg["gains_positive"] == sum(c[s] > u[s] for s in (0, 1))
+            assert "gains" not in seeds[key][suite]["uniform"]
+        assert seeds[key]["code"]["chain"]["gains"] == pytest.approx([0.5, 0.5])
+    md = (out / "report.md").read_text()
+    assert "# Across seeds" in md and "# Per run" in md
+    assert "+50.0% (+50.0, +50.0; 2/2 > 0)" in md
+    agg = seeds["t0"]["chat"]["chain"]
+    assert f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}" in md
+    for name in ("tau.png", "position_acceptance.png", "accept_hist.png", "training_curves.png"):
+        assert (out / name).stat().st_size > 0
+    view = rp.seed_view(report)
+    assert [c["name"] for c in view["configurations"]] == ["chain", "uniform"]
+    cell = view["table"]["t1"]["code"]["chain"]
+    assert (cell["ci_low"], cell["ci_high"]) == (min(cell["taus"]), max(cell["taus"]))
+    assert view["curves"]["t0"]["code"]["chain"]["accept_hist"] == [4, 6, 8, 10]  # summed over the 2 seeds
+    curves = {n: (s, v) for n, c in report["training_curves"].items() for s, v in [(c["steps"], c["val/tau_greedy"])]}
+    mean = rp.mean_curves(curves, {n: n.rsplit("-s", 1)[0] for n in curves})
+    assert mean["chain"] == ([0, 100], [1.0, pytest.approx(1.35)])
+
+
+def test_single_seed_has_no_seed_section(multirun, tmp_path):
+    report = rp.main([str(multirun[0]), "--out", str(tmp_path / "o"), "--num-bootstrap", "20"])
+    assert report["across_seeds"] is None
+    assert "Across seeds" not in (tmp_path / "o" / "report.md").read_text()
