@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from experiments import corpora
+from experiments.train import keep_csv_history, merge_csv_history
 
 # ----------------------------------------------------------------------------- data
 
@@ -249,6 +250,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
 
     logger = hydra.utils.instantiate(cfg.logger)
     ckpt_dir = run_dir / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    csv_dir = keep_csv_history(logger) if last.exists() else None  # a resumed run keeps its earlier rows
     callbacks = [
         L.pytorch.callbacks.ModelCheckpoint(
             dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=recipe.checkpoint_every
@@ -264,7 +267,6 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
         callbacks=callbacks,
         enable_checkpointing=True,
     )
-    last = ckpt_dir / "last.ckpt"
     t = time.time()
     trainer.fit(
         module,
@@ -273,6 +275,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
         ckpt_path=str(last) if last.exists() else None,
     )
     times["train_s"] = time.time() - t
+    if csv_dir is not None:
+        logger.save()
+        merge_csv_history(csv_dir)
     val_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     meta = {
         "command": " ".join(["python -m experiments.train_target", *(overrides or [])]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -114,6 +115,13 @@ def test_recipe_trains_exports_and_resumes(tmp_path):
     export = run(_recipe_cfg(tmp_path, 6))  # resumes from last.ckpt, does not start over
     second = json.loads((export / "training.json").read_text())
     assert second["steps"] == 6
+    # the resumed run's CSV log keeps the first run's rows (Lightning would start the file over)
+    (log,) = (tmp_path / "run").rglob("metrics.csv")
+    with open(log, newline="") as f:
+        rows = list(csv.DictReader(f))
+    val_steps = sorted(int(r["step"]) for r in rows if r.get("val/loss"))
+    assert val_steps[0] < 4 <= val_steps[-1], val_steps
+    assert not list(log.parent.glob("metrics.part-*.csv"))
     model, tok = load_target(str(export))
     assert model.config.num_hidden_layers == 1 and tok.chat_template
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
