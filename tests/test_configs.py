@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 import experiments  # noqa: F401  (registers the ${asset:...} resolver)
 
@@ -70,3 +71,40 @@ def test_conf_is_installed_as_package_data():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"conf*"' in text and '"conf" = ["*.yaml", "**/*.yaml"]' in text
     assert (CONF / "__init__.py").exists()
+
+
+def _sweep_jobs(experiment: str, arguments: list[str]) -> list[dict[str, str]]:
+    """The jobs Hydra's basic sweeper launches for ``experiment`` plus command-line ``arguments``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    cfg = _compose("train", [f"experiment={experiment}"])
+    params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
+    overrides = OverridesParser.create().parse_overrides(params + arguments)
+    (batch,) = BasicSweeper.split_arguments(overrides, None)
+    return [dict(o.split("=", 1) for o in job) for job in batch]
+
+
+def test_ablation_sweeps_every_loss_and_command_line_seeds():
+    jobs = _sweep_jobs("l2r_ablation", [])
+    losses = [j["loss"] for j in jobs]
+    assert losses == ["uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all"]
+    assert {j["seed"] for j in jobs} == {"0"}
+    assert all((CONF / "loss" / f"{loss}.yaml").is_file() for loss in losses)
+    # the README / config comment: `seed=0,1,2` on the command line repeats every loss per seed
+    jobs = _sweep_jobs("l2r_ablation", ["seed=0,1,2", "loss=uniform,l2r_all"])
+    assert sorted((j["loss"], j["seed"]) for j in jobs) == sorted(
+        (loss, s) for loss in ("uniform", "l2r_all") for s in "012")
+    cfg = _compose("train", ["experiment=l2r_ablation"])
+    subdir = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"]
+    assert subdir == "${hydra:runtime.choices.loss}-s${seed}"  # one dir per (loss, seed)
+
+
+@pytest.mark.parametrize("experiment,key", [("l2r_sweep_chain", "loss.chain_weight"),
+                                            ("l2r_sweep_focal", "loss.focal_gamma"),
+                                            ("l2r_sweep_gamma", "loss.gamma")])
+def test_sweeps_vary_their_loss_key(experiment, key):
+    jobs = _sweep_jobs(experiment, [])
+    assert len(jobs) >= 3 and len({j[key] for j in jobs}) == len(jobs)
+    cfg = _compose("train", [f"experiment={experiment}", f"{key}={jobs[0][key]}"])
+    assert str(OmegaConf.select(cfg, key)) == jobs[0][key].replace("'", "")
