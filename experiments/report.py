@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 MEAN = "mean"  # the pseudo-suite: unweighted mean of the per-suite τ
 OVERLAP_MARK = "°"
@@ -199,6 +200,22 @@ def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -
         if seed is None or sum(c == config and s == seed for c, s in zip(configs, seeds)) > 1:
             configs[i], seeds[i] = labels[i], None
     return [Run(name, f, d, config=c, seed=s) for name, f, d, c, s in zip(labels, files, docs, configs, seeds)]
+
+
+def order_runs(runs: Sequence[Run], order: Sequence[str] = (), baseline: str | None = None) -> list[Run]:
+    """Runs sorted by configuration: ``baseline`` first, then those named in ``order`` (configuration or
+    run names) in that order, then the rest as found; a configuration's seeds in seed order."""
+    first = [baseline] if baseline else []
+    rank = {name: i for i, name in enumerate(dict.fromkeys([*first, *order]))}
+    found = {c: i for i, c in enumerate(dict.fromkeys(r.config for r in runs))}
+
+    def key(item: tuple[int, Run]) -> tuple:
+        i, run = item
+        r = rank.get(run.config, rank.get(run.name))
+        seed = run.seed if isinstance(run.seed, int) else i
+        return (0, r) if r is not None else (1, found[run.config]), seed, i
+
+    return [run for _, run in sorted(enumerate(runs), key=key)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -817,6 +834,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--names", nargs="+", help="configuration names, in the order the results are found")
     parser.add_argument("--baseline", default="uniform", help="configuration the gains are relative to "
                         "('none': no gains; default uniform, skipped with a note when absent)")
+    parser.add_argument("--order", nargs="+", default=[], help="configurations to list first, in this order "
+                        "(the baseline always comes first)")
     parser.add_argument("--num-bootstrap", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wandb", action="store_true", help="also log the plots and table to W&B")
@@ -831,6 +850,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"[report] no configuration named 'uniform' among {[r.name for r in runs]}: no gains "
               "(pass --baseline <name>)", flush=True)
         baseline = None
+    runs = order_runs(runs, args.order, baseline)
     report = write_report(runs, args.out, baseline=baseline, num_bootstrap=args.num_bootstrap, seed=args.seed)
     if args.wandb:
         report["wandb_dir"] = log_to_wandb(report, args.out, project=args.wandb_project, mode=args.wandb_mode)
@@ -859,6 +879,8 @@ class MultirunReport(Callback):
             return
         out = Path(self.out) if self.out else sweep_dir / "report"
         names = [p.parent.name for p in found] if self.name_by_dir else None
-        runs = load_runs([sweep_dir], names=names)
+        swept = OmegaConf.select(config, "hydra.sweeper.params.loss", default=None)
+        order = [x.strip() for x in str(swept).split(",")] if swept else []
+        runs = order_runs(load_runs([sweep_dir], names=names), order, self.baseline)
         report = write_report(runs, out, baseline=self.baseline, num_bootstrap=self.num_bootstrap)
         print(f"[report] {len(report['configurations'])} configurations -> {out / 'report.md'}", flush=True)

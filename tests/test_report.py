@@ -198,7 +198,7 @@ def test_seeds_aggregated(tmp_path):
     out = tmp_path / "out"
     report = rp.main([str(tmp_path / "sweep"), "--out", str(out), "--num-bootstrap", "100"])
     names = [c["name"] for c in report["configurations"]]
-    assert sorted(names) == ["chain-s0", "chain-s1", "uniform-s0", "uniform-s1"]
+    assert names == ["uniform-s0", "uniform-s1", "chain-s0", "chain-s1"]  # baseline first, seeds in order
     assert {c["name"]: (c["config"], c["seed"]) for c in report["configurations"]}["chain-s1"] == ("chain", 1)
     seeds = report["across_seeds"]
     for key in TEMPS:
@@ -225,7 +225,7 @@ def test_seeds_aggregated(tmp_path):
     for name in ("tau.png", "position_acceptance.png", "accept_hist.png", "training_curves.png"):
         assert (out / name).stat().st_size > 0
     view = rp.seed_view(report)
-    assert [c["name"] for c in view["configurations"]] == ["chain", "uniform"]
+    assert [c["name"] for c in view["configurations"]] == ["uniform", "chain"]
     cell = view["table"]["t1"]["code"]["chain"]
     assert (cell["ci_low"], cell["ci_high"]) == (min(cell["taus"]), max(cell["taus"]))
     assert view["curves"]["t0"]["code"]["chain"]["accept_hist"] == [4, 6, 8, 10]  # summed over the 2 seeds
@@ -238,3 +238,11 @@ def test_single_seed_has_no_seed_section(multirun, tmp_path):
     report = rp.main([str(multirun[0]), "--out", str(tmp_path / "o"), "--num-bootstrap", "20"])
     assert report["across_seeds"] is None
     assert "Across seeds" not in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_order_runs():
+    runs = [rp.Run(n, rp.Path(n), {"results": {}}, config=c, seed=sd)
+            for n, c, sd in [("b-s1", "b", 1), ("a", "a", None), ("u-s1", "u", 1), ("b-s0", "b", 0), ("u-s0", "u", 0),
+                             ("c", "c", None)]]
+    assert [r.name for r in rp.order_runs(runs, ["c", "b"], "u")] == ["u-s0", "u-s1", "c", "b-s0", "b-s1", "a"]
+    assert [r.name for r in rp.order_runs(runs)] == ["b-s0", "b-s1", "a", "u-s0", "u-s1", "c"]
