@@ -8,7 +8,8 @@ dir, a multirun dir searched recursively, or the files themselves) and writes to
   ``uniform``) as relative % with a 95% interval of the ratio τ/τ_baseline from *paired* resampling of
   the prompts both evaluated (when per-prompt records are present), and the measured speeds;
 * ``report.json``: the same numbers;
-* PNG plots: ``tau.png`` (grouped bars with CI error bars, one panel per temperature),
+* PNG plots: ``tau.png`` (grouped bars with CI error bars, one panel per temperature), ``gain.png``
+  (gain over the baseline per suite with paired intervals),
   ``position_acceptance.png`` (a_k vs k per suite), ``accept_hist.png`` (share of steps keeping
   0..K drafts) and, when the training logs are found (a CSV logger's ``metrics.csv`` with a
   ``val/tau_greedy`` column), ``training_curves.png``.
@@ -654,11 +655,68 @@ def plot_tau(report: dict, path: Path,
                 ax.scatter(*zip(*dots), s=9, color="black", zorder=3)
         ax.set_xticks(range(len(columns)), columns)
         ax.set_ylabel("τ (tokens / step)")
+        floor = min((c.get("ci_low") or c["tau"]) for cells in report["table"][key].values() for c in cells.values())
+        if floor >= 1.0:  # τ >= 1 always (the bonus token): start the axis there so differences show
+            ax.set_ylim(bottom=1.0)
         ax.set_title(f"temperature {report['temperatures'][key]:g}")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
     axes[-1, 0].set_xlabel("suite")
     fig.suptitle(caption)
+    _legend(fig, axes, names)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_gain(report: dict, path: Path, seeds: bool = False) -> Path:
+    """Grouped bars of the gain over the baseline (%) per suite, one bar per other configuration; a panel
+    per temperature. Error bars: the paired-bootstrap 95% interval, or with ``seeds`` (a
+    :func:`seed_view` of a report with ``across_seeds``) the range of per-seed gains, dots per seed."""
+    plt = _pyplot()
+    base = report["baseline"]
+    names = [c["name"] for c in report["configurations"] if base not in (c["name"], c["config"])]
+    colors = _colors([c["name"] for c in report["configurations"]])
+    keys = list(report["temperatures"])
+    ncols = max(len(report["table"][k]) for k in keys)
+    width_in = min(16.0, max(6.5, 1.5 + ncols * (0.25 * len(names) + 0.5)))
+    fig, axes = plt.subplots(len(keys), 1, figsize=(width_in, 3.0 * len(keys) + 1.2), squeeze=False,
+                             layout="constrained")
+    width = 0.8 / max(len(names), 1)
+    for ax, key in zip(axes[:, 0], keys):
+        columns = list(report["table"][key])
+        for j, name in enumerate(names):
+            xs, ys, err, dots = [], [], [[], []], []
+            for i, suite in enumerate(columns):
+                if seeds:
+                    agg = report["across_seeds"][key][suite].get(name) or {}
+                    gain, low, high = agg.get("gain_mean"), agg.get("gain_min"), agg.get("gain_max")
+                    points = agg.get("gains", [])
+                else:
+                    cell = report["table"][key][suite].get(name) or {}
+                    gain, low, high, points = cell.get("gain"), cell.get("gain_ci_low"), cell.get("gain_ci_high"), []
+                if gain is None:
+                    continue
+                x = i - 0.4 + width * (j + 0.5)
+                xs.append(x)
+                ys.append(100 * gain)
+                err[0].append(100 * max(gain - (low if low is not None else gain), 0.0))
+                err[1].append(100 * max((high if high is not None else gain) - gain, 0.0))
+                dots += [(x, 100 * g) for g in points]
+            ax.bar(xs, ys, width, yerr=err, capsize=3, color=colors[name], label=name, edgecolor="black",
+                   linewidth=0.5, error_kw={"elinewidth": 1})
+            if dots:
+                ax.scatter(*zip(*dots), s=9, color="black", zorder=3)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(columns)), columns)
+        ax.set_ylabel(f"gain over {base} (%)")
+        ax.set_title(f"temperature {report['temperatures'][key]:g}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[-1, 0].set_xlabel("suite")
+    what = "mean of per-seed gains (error bars: seed range, dots: seeds)" if seeds else \
+        "error bars: paired-bootstrap 95% CI over prompts"
+    fig.suptitle(f"τ / τ({base}) − 1 per suite; {what}")
     _legend(fig, axes, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -793,6 +851,8 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     else:
         view = report
         plots = [plot_tau(report, out / "tau.png")]
+    if baseline is not None and report["baseline"] is not None and len(view["configurations"]) > 1:
+        plots.append(plot_gain(view, out / "gain.png", seeds=bool(report["across_seeds"])))
     plots += [plot_position_acceptance(view, out / "position_acceptance.png"),
               plot_accept_hist(view, out / "accept_hist.png")]
     curves = {r.name: c for r in runs if (c := training_curve(r)) is not None}

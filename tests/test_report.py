@@ -76,7 +76,7 @@ def test_report_end_to_end(multirun, tmp_path):
     root, uniform, chain = multirun
     out = tmp_path / "out"
     report = rp.main([str(root), "--out", str(out), "--num-bootstrap", "300"])
-    for name in ("report.md", "report.json", "tau.png", "position_acceptance.png", "accept_hist.png",
+    for name in ("report.md", "report.json", "tau.png", "gain.png", "position_acceptance.png", "accept_hist.png",
                  "training_curves.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     saved = json.loads((out / "report.json").read_text())
@@ -142,6 +142,7 @@ def test_names_baseline_and_errors(multirun, tmp_path, capsys):
     report = rp.main([str(root), "--out", str(tmp_path / "a"), "--names", "A", "B", "--num-bootstrap", "50"])
     assert report["baseline"] is None and "no configuration named 'uniform'" in capsys.readouterr().out
     assert "### Gain" not in (tmp_path / "a" / "report.md").read_text()
+    assert not (tmp_path / "a" / "gain.png").exists()
     report = rp.main([str(root), "--out", str(tmp_path / "b"), "--names", "A", "B", "--baseline", "B",
                       "--num-bootstrap", "50"])
     assert report["table"]["t0"]["code"]["A"]["gain"] == pytest.approx(1 / 1.5 - 1)
@@ -222,7 +223,7 @@ def test_seeds_aggregated(tmp_path):
     assert "+50.0% (+50.0, +50.0; 2/2 > 0)" in md
     agg = seeds["t0"]["chat"]["chain"]
     assert f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}" in md
-    for name in ("tau.png", "position_acceptance.png", "accept_hist.png", "training_curves.png"):
+    for name in ("tau.png", "gain.png", "position_acceptance.png", "accept_hist.png", "training_curves.png"):
         assert (out / name).stat().st_size > 0
     view = rp.seed_view(report)
     assert [c["name"] for c in view["configurations"]] == ["uniform", "chain"]
