@@ -751,11 +751,11 @@ def plot_position_acceptance(report: dict, path: Path, min_steps: int = 10) -> P
                 acc, hist = curve.get("position_acceptance"), curve.get("accept_hist")
                 if not acc:
                     continue
-                k_max = max(k_max, len(acc))
                 # steps that reached slot k (all drafts before it accepted) = steps keeping >= k - 1 drafts
                 reached = [sum(hist[k - 1:]) if hist else min_steps for k in range(1, len(acc) + 1)]
                 ks = [k for k, a in enumerate(acc, start=1) if a is not None and reached[k - 1] >= min_steps]
                 ax.plot(ks, [acc[k - 1] for k in ks], marker="o", markersize=3, color=colors[name], label=name)
+                k_max = max(k_max, *ks, 2) if ks else k_max  # the axis ends at the last slot with data
             ax.set_ylim(0, 1.05)
             ax.set_xlim(0.5, k_max + 0.5)
             ax.set_title(f"{suite}, T={report['temperatures'][key]:g}")
@@ -779,18 +779,20 @@ def plot_accept_hist(report: dict, path: Path) -> Path:
     """Share of verification steps that kept 0..K drafts, bars per configuration; suites x temperatures."""
     names = [c["name"] for c in report["configurations"]]
     colors = _colors(names)
-    plt, fig, axes, keys, suites = _curve_grid(report, "Accepted drafts per verification step")
+    plt, fig, axes, keys, suites = _curve_grid(report, "Accepted drafts per verification step "
+                                                       "(up to the largest count seen)")
     width = 0.8 / len(names)
     for r, key in enumerate(keys):
         for c, suite in enumerate(suites):
-            ax = axes[r][c]
+            ax, last = axes[r][c], 2
             for j, name in enumerate(names):
                 hist = report["curves"][key].get(suite, {}).get(name, {}).get("accept_hist")
                 if not hist or sum(hist) == 0:
                     continue
                 xs = np.arange(len(hist)) - 0.4 + width * (j + 0.5)
                 ax.bar(xs, np.asarray(hist) / sum(hist), width, color=colors[name], label=name)
-                ax.set_xlim(-0.6, len(hist) - 0.4)
+                last = max(last, max(i for i, n in enumerate(hist) if n))  # the axis ends at the last non-empty bin
+                ax.set_xlim(-0.6, last + 0.6)
             ax.set_title(f"{suite}, T={report['temperatures'][key]:g}")
             ax.set_xlabel("drafts accepted in the step")
             ax.xaxis.set_major_locator(_integer_locator())
