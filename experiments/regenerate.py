@@ -220,6 +220,34 @@ def run(cfg: DictConfig) -> Path:
     return data_dir
 
 
+def needs_regeneration(data_dir: str | Path) -> bool:
+    """True when ``data_dir`` holds no shards yet or an interrupted regeneration (``complete: false``).
+
+    A folder of shards without ``regen.json`` is someone's own data and is never regenerated into.
+    """
+    meta = regen.read_meta(data_dir)
+    return not regen.shard_dirs(data_dir) or (bool(meta) and not meta.get("complete"))
+
+
+def ensure_data(cfg: DictConfig) -> Path:
+    """Regenerate the data another entry point's config points at (``experiments.train``) if it is missing.
+
+    Uses that config's ``target``, ``data``, ``suite``, ``seed`` and ``num_threads`` and this entry point's
+    own defaults (``conf/regenerate.yaml``) for the rest, so the folder is the one
+    ``python -m experiments.regenerate`` with the same target and data settings writes.
+    """
+    data_dir = Path(cfg.data.data_dir).expanduser()
+    if not needs_regeneration(data_dir):
+        return data_dir
+    own = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "regenerate.yaml")
+    sub = OmegaConf.create({k: own[k] for k in ("device", "batch_size", "shard_size", "decontaminate")})
+    for key in ("target", "data", "suite", "seed", "num_threads"):
+        sub[key] = OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg[key], DictConfig) else cfg[key]
+    print(f"[regenerate] {data_dir} is missing or incomplete: regenerating it first "
+          "(data.regenerate_if_missing=false turns this off)", flush=True)
+    return run(sub)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="regenerate")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

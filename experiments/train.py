@@ -1,7 +1,8 @@
 """Train a block drafter against a frozen target: ``python -m experiments.train [loss=decay] [...]``.
 
-Reads the regenerated data of ``conf/data/regen.yaml`` (run ``python -m experiments.regenerate`` with
-the same target and data settings first), builds the target (``target``), the drafter
+Reads the regenerated data of ``conf/data/regen.yaml``, regenerating it first when the folder is
+missing or incomplete (``data.regenerate_if_missing``, as ``python -m experiments.regenerate`` with the
+same target and data settings would), builds the target (``target``), the drafter
 (``drafter``, attached to the target), the loss (``loss``), and trains with Lightning
 (``trainer``: cpu, gpu, ddp_cpu, ddp, fsdp; ``logger``: csv or wandb).
 
@@ -130,6 +131,8 @@ def run(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    if cfg.data.get("regenerate_if_missing", False):
+        experiments.regenerate.ensure_data(cfg)  # a fresh machine: the data first (cached for later runs)
     _, _, module, datamodule = build(cfg)
     datamodule.setup("fit")  # fails early on an empty or missing dataset
 

@@ -160,11 +160,32 @@ def test_bad_drafter_settings_are_clear_errors(env, override, error):
 def test_empty_or_foreign_data_is_refused(env):
     empty = env["root"] / "empty"
     with pytest.raises(FileNotFoundError, match="is empty"):
-        run_main(train, [*env["base"], f"data.data_dir={empty}", "name=empty"])
+        run_main(train, [*env["base"], f"data.data_dir={empty}", "name=empty", "data.regenerate_if_missing=false"])
     other = save_target(env["root"] / "other", hidden=48, seed=1)
     with pytest.raises(ValueError, match="another target"):
         run_main(train, ["target=hf", f"target.path={other}", "experiment=smoke",
                          f"data.data_dir={env['data_dir']}", "name=other"])
+
+
+def test_train_regenerates_missing_data(env):
+    """A fresh machine: train regenerates the data first, into the folder experiments.regenerate writes."""
+    fresh = env["root"] / "fresh"
+    run_main(train, [*env["base"], f"data.data_dir={fresh}", "name=fresh", "suite=[humaneval,gsm_symbolic]",
+                     "train.max_steps=2", "train.val_every=2"])
+    assert read_meta(fresh)["complete"]
+    assert finished_ids(fresh) == finished_ids(env["data_dir"])  # same settings, same prompts
+    summary = json.loads((env["root"] / "runs" / "train" / "fresh" / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["data_dir"] == str(fresh) and summary["train_rows"] > 0
+    # someone's own shards (no regen.json) are never regenerated into; an interrupted regeneration is
+    import shutil
+
+    own = env["root"] / "own"
+    shutil.copytree(fresh / "shards", own / "shards")
+    assert not regenerate.needs_regeneration(own)
+    assert regenerate.needs_regeneration(env["root"] / "nothing_here")
+    meta = read_meta(fresh)
+    (fresh / "regen.json").write_text(json.dumps({**meta, "complete": False}))
+    assert regenerate.needs_regeneration(fresh)
 
 
 def test_train_then_evaluate(env):
