@@ -175,7 +175,8 @@ def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
     """Right-pad rows ``{"input_ids": list[int], "prompt_len": int}`` into a batch.
 
     Returns ``input_ids (B, S) long`` (padding = ``pad_token_id``), ``attention_mask (B, S) long``,
-    ``prompt_len (B,) long`` and ``length (B,) long``.
+    ``prompt_len (B,) long`` and ``length (B,) long``; rows with cached target ``features`` ((len, F)
+    tensors, see :mod:`drafters.features`) add ``features (B, S, F)``, zero at padding.
     """
     if not rows:
         raise ValueError("cannot collate an empty batch")
@@ -186,19 +187,28 @@ def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
     for b, (r, n) in enumerate(zip(rows, lengths)):
         input_ids[b, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
         attention_mask[b, :n] = 1
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "prompt_len": torch.tensor([int(r["prompt_len"]) for r in rows], dtype=torch.long),
         "length": torch.tensor(lengths, dtype=torch.long),
     }
+    if "features" in rows[0]:
+        feats = torch.zeros(len(rows), width, rows[0]["features"].shape[-1])
+        for b, (r, n) in enumerate(zip(rows, lengths)):
+            feats[b, :n] = r["features"]
+        batch["features"] = feats
+    return batch
 
 
 class RegenDataset(Dataset):
     """Rows of a regenerated dataset, cut to ``max_length`` tokens (rows left without a response
-    token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int}``."""
+    token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int}``, plus
+    ``features`` ((len, F) float) when a :class:`drafters.features.FeatureStore` of the same rows
+    and ``max_length`` is given."""
 
-    def __init__(self, data, indices: Sequence[int] | None = None, max_length: int | None = None):
+    def __init__(self, data, indices: Sequence[int] | None = None, max_length: int | None = None,
+                 features=None):
         import pyarrow.compute as pc
 
         indices = range(len(data)) if indices is None else indices
@@ -208,6 +218,10 @@ class RegenDataset(Dataset):
         keep = [i for i in indices if min(lengths[i], limit) > prompt_lens[i] >= 1]
         self.data, self.indices, self.max_length = data, keep, max_length
         self.num_dropped = len(indices) - len(keep)
+        if features is not None and len(features) != len(data):
+            raise ValueError(f"feature cache {features.root} holds {len(features)} rows, the data {len(data)}: "
+                             "it belongs to another data dir; delete it to recompute")
+        self.features = features
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -215,7 +229,13 @@ class RegenDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.data[self.indices[i]]
         ids = row["input_ids"] if self.max_length is None else row["input_ids"][: self.max_length]
-        return {"input_ids": ids, "prompt_len": int(row["prompt_len"])}
+        item = {"input_ids": ids, "prompt_len": int(row["prompt_len"])}
+        if self.features is not None:
+            item["features"] = self.features[self.indices[i]]
+            if item["features"].shape[0] != len(ids):
+                raise ValueError(f"feature cache {self.features.root} row {self.indices[i]} has "
+                                 f"{item['features'].shape[0]} columns, the data row {len(ids)}")
+        return item
 
 
 class EpochShuffle(Sampler):
@@ -251,6 +271,9 @@ class RegenDataModule(L.LightningDataModule):
         val_fraction: share of ids held out for validation (stable hash of the id).
         max_val_samples: cap on validation sequences (the first ones by id hash), None = all.
         num_workers, seed: DataLoader workers and the shuffling seed.
+        features_dir: a complete feature cache of this data dir (:mod:`drafters.features`); training
+            batches then carry ``features`` and the module skips the target forward. Validation
+            batches never do (the teacher-forced τ needs the target's logits).
     """
 
     def __init__(
@@ -264,6 +287,7 @@ class RegenDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         pad_token_id: int = 0,
+        features_dir: str | Path | None = None,
     ):
         super().__init__()
         if batch_size < 1:
@@ -274,6 +298,7 @@ class RegenDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.max_length, self.val_fraction, self.max_val_samples = max_length, val_fraction, max_val_samples
         self.num_workers, self.seed, self.pad_token_id = num_workers, seed, pad_token_id
+        self.features_dir = features_dir
         self.train_set: RegenDataset | None = None
         self.val_set: RegenDataset | None = None
 
@@ -283,7 +308,15 @@ class RegenDataModule(L.LightningDataModule):
         data = load_regenerated(self.data_dir)
         ids = data.data.column("id").to_pylist()
         train_idx, val_idx = split_by_id(ids, self.val_fraction)
-        self.train_set = RegenDataset(data, train_idx, self.max_length)
+        features = None
+        if self.features_dir is not None:
+            from drafters.features import FeatureStore
+
+            features = FeatureStore(self.features_dir)
+            if features.meta.get("max_length") != self.max_length:
+                raise ValueError(f"feature cache {self.features_dir} was cut at max_length "
+                                 f"{features.meta.get('max_length')}, the data module at {self.max_length}")
+        self.train_set = RegenDataset(data, train_idx, self.max_length, features)
         self.val_set = RegenDataset(data, val_idx, self.max_length)
         if self.max_val_samples is not None:  # the same rows whatever the data dir's size order
             by_hash = sorted(self.val_set.indices, key=lambda i: id_hash(ids[i]))

@@ -42,6 +42,8 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
 MAX_DEFAULT_TARGET_LAYERS = 5
+# Values of DrafterConfig fields for saved configs that predate them (their drafters had no such part).
+LEGACY_DEFAULTS = {"qk_norm": False, "attention_bias": False}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -65,6 +67,9 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]  # indices into the target's hidden_states tuple (0 = embeddings)
     target_fingerprint: dict[str, Any] = field(default_factory=dict)  # FINGERPRINT_KEYS of the target
+    # Qwen3 / DFlash layer details (what the DFlash serving format needs, drafters/dflash.py):
+    qk_norm: bool = True  # per-head RMSNorm of queries and keys (context keys included) before RoPE
+    attention_bias: bool = False  # biases on the q/k/v/o projections
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -115,11 +120,13 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        """Rebuild a saved config. Configs saved before a field existed get the behaviour they were
+        trained with (``LEGACY_DEFAULTS``: no q/k norm), not the defaults of new drafters."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown DrafterConfig keys {unknown}; known: {sorted(names)}")
-        return cls(**d)
+        return cls(**{**LEGACY_DEFAULTS, **d})
 
 
 def target_fingerprint(target_config: Any) -> dict[str, Any]:
@@ -238,23 +245,32 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        # Qwen3's per-head RMSNorm over head_dim, applied to queries and keys before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated keys and values (Bt, h_kv, N, d) of x (Bt, N, H) at the positions of cos/sin."""
-        k = apply_rope(self._heads(self.k_proj(x), self.num_kv_heads), cos, sin)
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
-        return k, v
+        return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         # x (Bt, N, H) normalised block states; ctx_k/ctx_v (Bt, h_kv, S, d); mask (Bt, 1, N, S + N)
-        q = apply_rope(self._heads(self.q_proj(x), self.num_heads), cos, sin)  # (Bt, h, N, d)
+        q = self._heads(self.q_proj(x), self.num_heads)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)  # (Bt, h, N, d)
         k, v = self.key_value(x, cos, sin)  # (Bt, h_kv, N, d)
         k = torch.cat([ctx_k, k], dim=2)  # (Bt, h_kv, S + N, d)
         v = torch.cat([ctx_v, v], dim=2)
@@ -309,7 +325,11 @@ class BlockDiffusionDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
+                # std 1/sqrt(fan_in): each layer's output has the scale of its input, so the block
+                # states are not dominated by the constant MASK embedding (see from_target).
+                nn.init.normal_(module.weight, std=module.in_features ** -0.5)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
         # The frozen target, kept outside the module tree: not in state_dict(), parameters() or .to().
         object.__setattr__(self, "_target", None)
         # Inference cache: per layer (k, v) of shape (B, h_kv, C, d), and the column mask (B, C).
@@ -341,13 +361,20 @@ class BlockDiffusionDrafter(nn.Module):
         num_layers: int = 1,
         target_layer_ids: Sequence[int] | None = None,
         mask_token_id: int | None = None,
+        init_from: str | Path | None = None,
         **overrides: Any,
     ) -> BlockDiffusionDrafter:
         """A freshly initialised drafter sized from ``target.config`` and attached to ``target``.
 
         ``overrides`` set other :class:`DrafterConfig` fields (num_heads, intermediate_size, ...);
         a ``None`` value keeps the value read from the target.
+
+        ``init_from``: a saved drafter (blockdraft or DFlash format) to start from instead of a fresh
+        initialisation; see :func:`_from_checkpoint` for how the other arguments apply then.
         """
+        if init_from is not None:
+            return _from_checkpoint(cls, target, init_from, block_size=block_size, num_layers=num_layers,
+                                    target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, **overrides)
         tcfg = getattr(target, "config", None)
         if tcfg is None:
             raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
@@ -367,18 +394,18 @@ class BlockDiffusionDrafter(nn.Module):
         fields.update({k: v for k, v in overrides.items() if v is not None})
         drafter = cls(DrafterConfig(**fields))
         drafter.attach_target(target)
-        # Start with near-uniform logits. The block states begin as the MASK embedding, and through
-        # the shared LM head a unit output norm gives ~50 nats of CE on a trained target; those first
-        # gradients saturate the attention and the drafter collapses to one constant prediction
-        # (seen on the tiny target). The target's final-norm weight / sqrt(H) keeps its per-channel
-        # shape at a scale where the first loss is ~ln V and the drafter learns.
+        # The output norm starts as the target's final norm, so the shared LM head sees inputs at
+        # the scale it was trained on and the drafter can be as confident as the target from step 1.
+        # (Shrinking it, as the first wave did with final norm / sqrt(H), capped the logit scale:
+        # the weight grows only ~lr per step, and CE under a capped scale is minimised by one
+        # frequent-token direction, the collapse of DESIGN.md §6. With the 0.02-std weights of then,
+        # the constant MASK embedding also outweighed what the layers added to the block states;
+        # the fan-in init above fixes that. One batch of 8 answers: slot-1 accuracy stuck at 0.07
+        # for 75 steps before, 1.00 after 50 steps now.)
         final_norm = target_final_norm_weight(target)
-        scale = drafter.config.hidden_size ** -0.5
         with torch.no_grad():
             if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
-                drafter.norm.weight.copy_(final_norm.float() * scale)
-            else:
-                drafter.norm.weight.fill_(scale)
+                drafter.norm.weight.copy_(final_norm.float())
         return drafter
 
     def attach_target(self, target: nn.Module) -> BlockDiffusionDrafter:
@@ -445,14 +472,24 @@ class BlockDiffusionDrafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None) -> BlockDiffusionDrafter:
-        """Load a saved drafter; with ``target``, attach it (refused if its fingerprint differs)."""
+        """Load a saved drafter; with ``target``, attach it (refused if its fingerprint differs).
+
+        ``directory`` holds either blockdraft's own format (:meth:`save_pretrained`) or a DFlash
+        serving checkpoint (``config.json`` with an ``architectures`` list, DESIGN.md §5b), which is
+        converted by :func:`drafters.dflash.load_dflash` and needs ``target``.
+        """
         directory = Path(directory)
         if not directory.is_dir():
             raise FileNotFoundError(f"drafter directory {directory} does not exist")
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"drafter directory {directory} has no {name}")
-        config = DrafterConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
+        raw = json.loads((directory / CONFIG_NAME).read_text())
+        if "architectures" in raw or "dflash_config" in raw:  # a HF-style config: the DFlash format
+            from drafters.dflash import load_dflash
+
+            return load_dflash(directory, target, drafter_class=cls)
+        config = DrafterConfig.from_dict(raw)
         drafter = cls(config)
         drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
         if target is not None:
@@ -461,9 +498,17 @@ class BlockDiffusionDrafter(nn.Module):
 
     # ---- the core forward (shared by training and inference) -------------------------------------
 
-    def fuse_context(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Context features (Bt, S, H) from the selected target hidden states, L x (Bt, S, H)."""
-        x = torch.cat([s.to(self.fuse.weight.dtype) for s in states], dim=-1)  # (Bt, S, L*H)
+    def fuse_context(self, states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Context features (Bt, S, H) from the selected target hidden states: L x (Bt, S, H), or
+        their concatenation (Bt, S, L*H) as :mod:`drafters.features` caches it."""
+        if isinstance(states, torch.Tensor):
+            width = len(self.target_layer_ids) * self.config.hidden_size
+            if states.shape[-1] != width:
+                raise ValueError(f"cached features have width {states.shape[-1]}, expected {width} "
+                                 f"(target_layer_ids {self.target_layer_ids} x hidden {self.config.hidden_size})")
+            x = states.to(self.fuse.weight.dtype)
+        else:
+            x = torch.cat([s.to(self.fuse.weight.dtype) for s in states], dim=-1)  # (Bt, S, L*H)
         return self.fuse_norm(self.fuse(x))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor):
@@ -511,7 +556,7 @@ class BlockDiffusionDrafter(nn.Module):
 
     def forward_train(
         self,
-        hidden_states: Sequence[torch.Tensor],  # full HF tuple, each (Bt, S, H)
+        hidden_states: Sequence[torch.Tensor] | torch.Tensor,  # full HF tuple of (Bt, S, H), or cached (Bt, S, L*H)
         input_ids: torch.Tensor,  # (Bt, S) long
         position_ids: torch.Tensor | None,  # (Bt, S) long; None = cumsum(context_mask) - 1
         anchors: torch.Tensor,  # (Bt, A) long column indices
@@ -519,12 +564,13 @@ class BlockDiffusionDrafter(nn.Module):
         context_mask: torch.Tensor | None = None,  # (Bt, S) bool/long, False = padding column
     ) -> torch.Tensor:
         """Teacher-forced logits (Bt, A, K, V); block a's slot k predicts ``input_ids[:, anchors[a] + k]``."""
-        states = self.select_hidden_states(hidden_states)
+        cached = isinstance(hidden_states, torch.Tensor)
+        states = hidden_states if cached else self.select_hidden_states(hidden_states)
         bt, seq = input_ids.shape
         if anchors.dim() != 2 or anchors.shape[0] != bt:
             raise ValueError(f"anchors must be (Bt={bt}, A), got {tuple(anchors.shape)}")
-        if any(tuple(s.shape[:2]) != (bt, seq) for s in states):
-            shapes = [tuple(s.shape) for s in states]
+        if any(tuple(s.shape[:2]) != (bt, seq) for s in ([states] if cached else states)):
+            shapes = [tuple(s.shape) for s in ([states] if cached else states)]
             raise ValueError(f"hidden states {shapes} do not match input_ids {(bt, seq)}")
         if context_mask is not None:
             context_mask = context_mask.bool()
@@ -645,6 +691,42 @@ class BlockDiffusionDrafter(nn.Module):
         c = self.config
         return (f"block_size={c.block_size}, target_layer_ids={c.target_layer_ids}, "
                 f"mask_token_id={c.mask_token_id}, params={sum(p.numel() for p in self.parameters()):,}")
+
+
+def _from_checkpoint(cls, target: nn.Module, path: str | Path, *, block_size: int | None, num_layers: int | None,
+                     target_layer_ids: Sequence[int] | None, mask_token_id: int | None,
+                     **overrides: Any) -> BlockDiffusionDrafter:
+    """``from_target(..., init_from=path)``: the saved drafter at ``path`` attached to ``target``.
+
+    The checkpoint fixes the architecture. ``num_layers`` is the fresh-initialisation size, so a
+    different value is only warned about (the checkpoint's layers are used); every other argument
+    that is not None (``block_size``, ``target_layer_ids``, ``mask_token_id``, the overrides) must
+    equal the checkpoint's value, else the call is refused naming the field.
+    """
+    drafter = cls.from_pretrained(path, target=target)
+    cfg = drafter.config
+    allowed = {f.name for f in dataclasses.fields(DrafterConfig)} - {"target_fingerprint"}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"unknown drafter overrides {unknown}; allowed: {sorted(allowed)}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if block_size is not None:
+        given["block_size"] = block_size
+    if target_layer_ids is not None:
+        given["target_layer_ids"] = tuple(int(i) for i in target_layer_ids)
+    if mask_token_id is not None:
+        given["mask_token_id"] = int(mask_token_id)
+    diffs = [f"drafter.{k}={v!r} but the checkpoint has {k}={getattr(cfg, k)!r}"
+             for k, v in given.items() if v != getattr(cfg, k)]
+    if diffs:
+        raise ValueError(f"drafter.init_from={path}: " + "; ".join(diffs)
+                         + " (set these to the checkpoint's values or to null)")
+    if num_layers is not None and num_layers != cfg.num_layers:
+        import warnings
+
+        warnings.warn(f"drafter.init_from={path}: using its {cfg.num_layers} layers "
+                      f"(drafter.num_layers={num_layers} applies to fresh drafters only)", stacklevel=3)
+    return drafter
 
 
 __all__ = ["BlockDiffusionDrafter", "DrafterConfig", "default_target_layer_ids", "target_fingerprint"]

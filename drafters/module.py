@@ -275,11 +275,23 @@ class DrafterLightningModule(L.LightningModule):
         seed = hash((self.seed, *key)) & 0x7FFF_FFFF_FFFF_FFFF
         return torch.Generator().manual_seed(seed)
 
-    def _blocks(self, batch, out, generator):
-        """Drafter logits and labels of the blocks that have labels: (N, K, V), (N, K), (N, K), probs."""
+    def context_states(self, batch, full_logits: bool):
+        """``(states, target_logits)`` of a batch: its cached features (``batch["features"]``, see
+        :mod:`drafters.features`) when present and no logits are needed, else a target forward."""
+        if "features" in batch and not full_logits:
+            return batch["features"], None
+        self._target_on_device()
+        out = self._run_target(batch, full_logits)
+        return out.hidden_states, out.logits
+
+    def _blocks(self, batch, states, target_logits, generator):
+        """Drafter logits and labels of the blocks that have labels: (N, K, V), (N, K), (N, K), probs.
+
+        ``states``: the target's hidden states (full HF tuple) or cached features (B, S, L*H).
+        """
         ids, attn = batch["input_ids"], batch["attention_mask"]
         anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], self.num_anchors, generator)
-        logits = self.drafter.forward_train(out.hidden_states, ids, None, anchors, amask, attn)  # (B,A,K,V)
+        logits = self.drafter.forward_train(states, ids, None, anchors, amask, attn)  # (B,A,K,V)
         labels, mask = self.drafter.block_labels(ids, anchors, amask, attn)  # (B, A, K)
         keep = mask.any(-1)  # (B, A)
         # Drop padding blocks; when there are none, flatten instead (indexing would copy the logits
@@ -289,7 +301,7 @@ class DrafterLightningModule(L.LightningModule):
         if getattr(self.loss, "soft", False):
             cols = select(slot_positions(anchors, self.num_slots, ids.shape[1]))  # (N, K)
             rows = select(torch.arange(ids.shape[0], device=ids.device).view(-1, 1).expand_as(anchors))  # (N,)
-            target_probs = out.logits[rows.unsqueeze(-1), cols].float().softmax(-1)  # (N, K, V)
+            target_probs = target_logits[rows.unsqueeze(-1), cols].float().softmax(-1)  # (N, K, V)
         return select(logits), select(labels), select(mask), target_probs
 
     @staticmethod
@@ -301,10 +313,9 @@ class DrafterLightningModule(L.LightningModule):
     # ---- training ------------------------------------------------------------------------------
 
     def training_step(self, batch, batch_idx):
-        self._target_on_device()
-        out = self._run_target(batch, full_logits=getattr(self.loss, "soft", False))
+        states, target_logits = self.context_states(batch, full_logits=getattr(self.loss, "soft", False))
         generator = self._generator(self.global_step, self.global_rank)
-        logits, labels, mask, target_probs = self._blocks(batch, out, generator)
+        logits, labels, mask, target_probs = self._blocks(batch, states, target_logits, generator)
         loss, components = self.loss(logits, labels, mask, target_probs)
         bsz = batch["input_ids"].shape[0]
         with torch.no_grad():
@@ -331,7 +342,8 @@ class DrafterLightningModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self._target_on_device()
         out = self._run_target(batch, full_logits=True)
-        logits, labels, mask, target_probs = self._blocks(batch, out, self._generator(-1, batch_idx))
+        logits, labels, mask, target_probs = self._blocks(batch, out.hidden_states, out.logits,
+                                                          self._generator(-1, batch_idx))
         loss, components = self.loss(logits, labels, mask, target_probs)
         correct, count, _ = self._slot_stats(logits, labels, mask)
         self._add("loss", loss)

@@ -15,6 +15,10 @@ reports, over ``--steps`` timed steps after ``--warmup``:
   is reset through ``/proc/self/clear_refs`` before each config; elsewhere ``getrusage``'s
   lifetime peak), ``peak_cuda_mb`` on a GPU.
 
+Every loss runs twice in one process (``--features both``): with a target forward per step, as
+without a feature cache, and with cached features (:mod:`drafters.features`; soft losses still need
+the target's logits and always run it), so the speedup of the cache is a ratio measured in one run.
+
 Plus, once, the cost of one validation batch (teacher-forced τ over every response anchor). The
 default target is the embedded tiny target if it has been trained, else a random Llama of its size.
 """
@@ -78,7 +82,16 @@ def make_batch(batch_size: int, seq_len: int, prompt_len: int, vocab: int, devic
             "length": torch.full((batch_size,), seq_len, device=device)}
 
 
-def bench_loss(name: str, target, args, batch) -> dict:
+def with_cached_features(batch: dict, target, layer_ids) -> dict:
+    """The batch plus ``features`` (B, S, L*H), as drafters.features caches them (float16 on disk)."""
+    with torch.no_grad():
+        out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
+    return {**batch, "features": feats.half().float()}
+
+
+def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     loss = hydra.utils.instantiate(OmegaConf.load(CONF / f"{name}.yaml"))
     torch.manual_seed(0)
     drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
@@ -88,6 +101,8 @@ def bench_loss(name: str, target, args, batch) -> dict:
         functools.partial(warmup_cosine, warmup_steps=10, max_steps=1000), num_anchors=args.num_anchors,
     ).to(args.device)
     optimizer = module.configure_optimizers()["optimizer"]
+    if cached:
+        batch = with_cached_features(batch, target, drafter.target_layer_ids)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     blocks = tokens = 0
     target_s = wall = cpu = 0.0
@@ -97,10 +112,11 @@ def bench_loss(name: str, target, args, batch) -> dict:
     for step in range(args.warmup + args.steps):
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
-        out = module._run_target(batch, full_logits=loss.soft)
+        states, target_logits = module.context_states(batch, full_logits=loss.soft)
         sync()
         t1 = time.perf_counter()
-        logits, labels, mask, probs = module._blocks(batch, out, torch.Generator().manual_seed(step))
+        logits, labels, mask, probs = module._blocks(batch, states, target_logits,
+                                                     torch.Generator().manual_seed(step))
         value, _ = loss(logits, labels, mask, probs)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
@@ -113,7 +129,7 @@ def bench_loss(name: str, target, args, batch) -> dict:
             blocks += int(mask.any(-1).sum())
             tokens += int(mask.sum())
     result = {
-        "loss": name, "soft": bool(loss.soft),
+        "loss": name, "soft": bool(loss.soft), "features": "cached" if cached and not loss.soft else "on_the_fly",
         "blocks_per_s": blocks / wall, "tokens_per_s": tokens / wall,
         "s_per_step": wall / args.steps, "cpu_s_per_step": cpu / args.steps,
         "target_forward_share": target_s / wall, "blocks_per_step": blocks / args.steps,
@@ -149,6 +165,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--features", choices=["both", "cached", "on_the_fly"], default="both",
+                   help="context from cached target features, a target forward per step, or both (one run)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -161,10 +179,11 @@ def main() -> None:
     vocab = target.get_output_embeddings().weight.shape[0]
     batch = make_batch(args.batch_size, args.seq_len, args.prompt_len, vocab, args.device)
     results = []
-    for name in args.losses:
-        results.append(bench_loss(name, target, args, batch))
+    modes = {"both": [False, True], "cached": [True], "on_the_fly": [False]}[args.features]
+    for name, cached in [(n, c) for n in args.losses for c in modes]:
+        results.append(bench_loss(name, target, args, batch, cached))
         r = results[-1]
-        print(f"[bench_train] {name:12s} {r['blocks_per_s']:8.1f} blocks/s {r['tokens_per_s']:9.1f} tok/s "
+        print(f"[bench_train] {name:12s} {r['features']:10s} {r['blocks_per_s']:8.1f} blocks/s {r['tokens_per_s']:9.1f} tok/s "
               f"{r['s_per_step']:.3f} s/step (cpu {r['cpu_s_per_step']:.3f}) target {r['target_forward_share']:.0%} "
               f"peak {r['peak_rss_mb']:.0f} MB", flush=True)
     report = {

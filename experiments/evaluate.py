@@ -1,4 +1,10 @@
-"""Evaluate a trained drafter: ``python -m experiments.evaluate drafter.path=<dir> [suite=all] [...]``.
+"""Evaluate a drafter: ``python -m experiments.evaluate drafter.path=<dir> [suite=all] [...]``.
+
+The drafter is a config group (``conf/eval/drafter/``, searched by this entry point only), built by
+:mod:`experiments.eval_drafters`: ``drafter=block`` (the default: a trained block drafter,
+``drafter.path=<run dir>/drafter``), ``drafter=prompt_lookup`` (n-gram lookup, no model) or
+``drafter=ar_assistant`` (a small causal LM, ``drafter.path=<HF model dir>``, default the shipped
+``experiments/assets/ar_assistant``). The baselines draft K = 15 tokens (``drafter.num_draft_tokens``).
 
 For every suite (``suite``, default all three of DESIGN.md §5) and temperature (``temperatures``,
 default 0 and 1) the target decodes every prompt speculatively with the drafter
@@ -11,8 +17,9 @@ the same speculative run (a second round of batches); every turn counts towards 
 statistics. A prompt's turns are pooled into one per-prompt record (kept tokens and steps summed,
 accepted counts concatenated), and the bootstrap resamples these records (prompts, not turns).
 
-``results.json`` (see :func:`evaluate` for one entry) holds the resolved config, the drafter's config
-and path, the target's fingerprint and path, the git commit, and ``results[suite]["t<temperature>"]``.
+``results.json`` (see :func:`evaluate` for one entry) holds the resolved config, the drafter's
+description (``name``, the report's row for baselines; ``kind``, ``path``, ``config``, ...), the target's
+fingerprint and path, the git commit, and ``results[suite]["t<temperature>"]``.
 Each finished (suite, temperature) is written at once (temp file + rename); running again with
 ``hydra.run.dir=<that run dir>`` skips it. Each (suite, temperature) has its own generator seeded from
 ``(seed, suite, temperature)``, so a resumed evaluation gives the same numbers as an uninterrupted one
@@ -35,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import experiments  # noqa: F401  (registers the ${asset:...} resolver)
+from experiments.eval_drafters import EvalDrafter
 from experiments.suites import Prompt, encode_prompt
 from verify.drafter import max_positions
 from verify.generate import speculative_generate, target_generate
@@ -248,7 +256,8 @@ def evaluate(
     _check_suites(suites)
     if not temperatures:
         raise ValueError("temperatures is empty: give at least one (e.g. [0.0, 1.0])")
-    drafter.eval()
+    if isinstance(drafter, torch.nn.Module):
+        drafter.eval()
     done = done or {}
     out: dict[str, dict[str, dict]] = {}
     for suite, prompts in suites.items():
@@ -306,19 +315,6 @@ def describe_target(target, path: str) -> dict:
     return {**target_fingerprint(target.config), "path": str(path)}
 
 
-def describe_drafter(drafter, path: str | Path) -> dict:
-    """Path, config (incl. its target fingerprint), size, and the training run it came from (if found)."""
-    from experiments.report import training_run_info
-
-    path = Path(path).expanduser().resolve()
-    return {
-        "path": str(path),
-        "config": drafter.config.to_dict(),
-        "num_parameters": sum(p.numel() for p in drafter.parameters()),
-        "training_run": training_run_info(path.parent),
-    }
-
-
 def check_resumable(previous: dict, current: dict, path: Path) -> None:
     """Refuse to resume a results.json written with another drafter, target or generation settings."""
     diffs = []
@@ -341,35 +337,36 @@ def logged_metrics(suite: str, key: str, entry: Mapping[str, Any]) -> dict[str, 
     return metrics
 
 
+def build_drafter(cfg: DictConfig, target) -> EvalDrafter:
+    """The drafter of ``cfg.drafter`` (a ``conf/eval/drafter/`` choice) for ``target``, with its description."""
+    factory = hydra.utils.instantiate(cfg.drafter, _partial_=True)  # called here: its errors are not wrapped
+    built = factory(target=target)
+    if not isinstance(built, EvalDrafter):
+        raise TypeError(f"drafter: {cfg.drafter.get('_target_')} is not an evaluation drafter; choose one of "
+                        "conf/eval/drafter/ (block drafter.path=<dir>, prompt_lookup, ar_assistant)")
+    return built
+
+
 def run(cfg: DictConfig) -> dict:
-    """Evaluate ``cfg.drafter.path`` on ``cfg.suite``; returns (and writes) the results.json document."""
-    from drafters.model import BlockDiffusionDrafter
+    """Evaluate the drafter of ``cfg.drafter`` on ``cfg.suite``; returns (and writes) the results.json document."""
     from experiments.suites import load_suites
     from experiments.target import load_target
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    drafter_dir = Path(str(cfg.drafter.path)).expanduser()
-    if not drafter_dir.is_dir():
-        raise FileNotFoundError(f"drafter.path={cfg.drafter.path}: no such directory; give a drafter saved by "
-                                "experiments.train (e.g. runs/train/<name>/drafter)")
     suites = load_suites(cfg.suite)
     _check_suites(suites)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, device, cfg.target.trust_remote_code)
-    try:
-        drafter = BlockDiffusionDrafter.from_pretrained(drafter_dir, target=target)
-    except ValueError as e:
-        raise ValueError(f"drafter.path={cfg.drafter.path} does not fit target.path={cfg.target.path}: {e}") from e
-    weight = next(target.parameters())
-    drafter.to(device=weight.device, dtype=weight.dtype).eval()
+    built = build_drafter(cfg, target)
+    drafter = built.drafter
 
     settings = {k: OmegaConf.to_container(cfg[k]) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in GENERATION_KEYS}
     doc = {
         "format": RESULTS_FORMAT,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "settings": settings,
-        "drafter": describe_drafter(drafter, drafter_dir),
+        "drafter": built.info,
         "target": describe_target(target, cfg.target.path),
         "git_commit": git_commit(),
         "results": {},
@@ -422,7 +419,8 @@ def evaluate_training_run(cfg: DictConfig) -> dict:
         "target": OmegaConf.to_container(cfg.target, resolve=True),
         "suite": OmegaConf.to_container(cfg.suite, resolve=True),
         "logger": logger,
-        "drafter": {"path": str(run_dir / "drafter")},
+        "drafter": {"_target_": "experiments.eval_drafters.block_drafter", "path": str(run_dir / "drafter"),
+                    "name": None},
         "paths": {"run_dir": str(run_dir)},
         "results_path": str(run_dir / "results.json"),
     })

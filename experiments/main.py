@@ -5,8 +5,10 @@ On the embedded default (tiny target, local suites) it runs the whole pipeline e
 1. ``experiments.regenerate`` — the target answers the training prompts (cached across runs);
 2. ``experiments.train`` — one drafter per loss in ``losses`` (default: the uniform baseline and
    the all-three composite ``l2r_all``), same data, budget and seed;
-3. ``experiments.evaluate`` — each drafter on every suite at T=0 and T=1 through the exact verifier;
-4. ``experiments.report`` — the Markdown table and the plots.
+3. ``experiments.evaluate`` — each drafter on every suite at T=0 and T=1 through the exact verifier,
+   then the untrained baselines in ``baselines`` (default ``prompt_lookup`` and the shipped
+   ``ar_assistant``, ``drafter=<name>``) with the same settings;
+4. ``experiments.report`` — the Markdown table and the plots (the baselines are the last rows).
 
 Each stage runs as its own entry point (a subprocess, its own Hydra run dir under this job's run
 dir), so every stage can also be rerun by hand with the command printed here. Stages that already
@@ -59,6 +61,11 @@ def run(cfg: DictConfig) -> dict:
         eval_dir = run_dir / "eval" / loss
         stage(f"evaluate {loss}", "experiments.evaluate", [*common, f"drafter.path={train_dir}/drafter",
                                                            *cfg.evaluate_overrides, f"hydra.run.dir={eval_dir}"], log)
+        eval_dirs.append(eval_dir)
+    for baseline in cfg.baselines:
+        eval_dir = run_dir / "eval" / baseline
+        stage(f"evaluate {baseline}", "experiments.evaluate", [*common, f"drafter={baseline}",
+                                                               *cfg.evaluate_overrides, f"hydra.run.dir={eval_dir}"], log)
         eval_dirs.append(eval_dir)
     report_dir = run_dir / "report"
     stage("report", "experiments.report", [*map(str, eval_dirs), "--out", str(report_dir)], log)

@@ -20,9 +20,11 @@ report.md opens with across-seeds tables (τ mean ± SD over seeds; the mean of 
 seed's gain, and how many seeds gained); the plots then show one bar/line per configuration (seed
 means; error bars = the range over seeds).
 
-A configuration is named by the ``loss`` group choice of the training run it came from, read from
-``.hydra/hydra.yaml`` (or the ``loss=`` override in ``train_summary.json``) beside the results or
-beside the evaluated drafter; otherwise by its directory name. ``--names`` overrides, in the order
+A configuration is named by the drafter's ``name`` in results.json when it has one (the baselines
+``prompt_lookup`` and ``ar_assistant``, which have no training curves), else by the ``loss`` group
+choice of the training run it came from, read from ``.hydra/hydra.yaml`` (or the ``loss=`` override in
+``train_summary.json``) beside the results or beside the evaluated drafter; otherwise by its directory
+name. ``--names`` overrides, in the order
 the files are found. ``--wandb`` also logs the plots and the table to Weights & Biases (offline
 unless ``--wandb-mode online``).
 """
@@ -153,7 +155,10 @@ class Run:
 
 
 def _auto_name(path: Path, doc: dict) -> tuple[str, Any]:
-    """``(name, seed)``: the loss choice beside the results or of the drafter's training run, else the dir name."""
+    """``(name, seed)``: the drafter's own name (baselines: ``prompt_lookup``, ``ar_assistant``), else the
+    loss choice beside the results or of the drafter's training run, else the dir name."""
+    if (doc.get("drafter") or {}).get("name"):
+        return str(doc["drafter"]["name"]), None
     info = training_run_info(path.parent) or {}
     if info.get("loss"):
         return info["loss"], info.get("seed")
@@ -365,6 +370,7 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
             "seed": r.seed,
             "results_path": str(r.path),
             "drafter_path": (r.doc.get("drafter") or {}).get("path"),
+            "description": (r.doc.get("drafter") or {}).get("description"),
             "training_run": (r.doc.get("drafter") or {}).get("training_run"),
             "git_commit": r.doc.get("git_commit"),
         } for r in runs],
@@ -533,8 +539,9 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
         lines += _seed_sections(report, seeds)
         lines += ["", "# Per run", ""]
     lines += ["", "Configurations:", ""]
-    lines += [f"- **{c['name']}**: `{c['results_path']}`" + (f" (drafter `{c['drafter_path']}`)"
-                                                              if c.get("drafter_path") else "")
+    lines += [f"- **{c['name']}**: `{c['results_path']}`"
+              + (f" (drafter `{c['drafter_path']}`)" if c.get("drafter_path") else "")
+              + (f" — {c['description']}" if c.get("description") else "")
               for c in report["configurations"]]
     for key, temperature in report["temperatures"].items():
         columns = list(report["table"][key])

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import experiments.regenerate  # also registers the ${settings_hash:...} resolver
 from drafters import data as regen
+from drafters.features import ensure_features
 
 
 def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
@@ -119,7 +120,13 @@ def build(cfg: DictConfig):
         scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad)
+    features = cfg.data.get("features") or {}
+    features_dir = None
+    if features.get("enabled") and not getattr(module.loss, "soft", False):  # soft losses need logits
+        features_dir = ensure_features(target, cfg.data.data_dir, drafter.target_layer_ids, dtype=features.dtype,
+                                       max_length=cfg.data.datamodule.max_length, batch_size=features.batch_size)
+    datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad,
+                                         features_dir=None if features_dir is None else str(features_dir))
     return target, tokenizer, module, datamodule
 
 

@@ -16,7 +16,8 @@ import experiments  # noqa: F401  (registers the ${asset:...} resolver)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-PRIMARY = ["train", "evaluate", "regenerate", "train_target", "target_quality", "main"]
+PRIMARY = ["train", "evaluate", "regenerate", "train_target", "target_quality", "main", "export",
+           "train_assistant"]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -44,6 +45,23 @@ def test_every_loss_config_instantiates(loss):
     cfg = _compose("train", [f"loss={loss}"])
     module = instantiate(cfg.loss)
     assert module.__class__.__name__ == "AcceptanceAlignedLoss"
+
+
+@pytest.mark.parametrize("choice", sorted(p.stem for p in (CONF / "eval" / "drafter").glob("*.yaml")))
+def test_evaluation_drafters_compose(choice):
+    """``experiments.evaluate drafter=<choice>``: every evaluation drafter names a builder; the baselines
+    need no path (ar_assistant defaults to the shipped assistant) and name their report row."""
+    cfg = _compose("evaluate", [f"drafter={choice}"])
+    assert cfg.drafter._target_ == f"experiments.eval_drafters.{'block_drafter' if choice == 'block' else choice}"
+    if choice == "block":
+        assert OmegaConf.is_missing(cfg.drafter, "path") and cfg.drafter.name is None
+    else:
+        assert cfg.drafter.name == choice and cfg.drafter.num_draft_tokens == 15
+    if choice == "ar_assistant":
+        assert Path(cfg.drafter.path) == ROOT / "experiments" / "assets" / "ar_assistant"
+        assert (Path(cfg.drafter.path) / "model.safetensors").is_file()
+    main = _compose("main")
+    assert list(main.baselines) == ["prompt_lookup", "ar_assistant"]
 
 
 def test_unknown_group_option_is_a_clear_error():

@@ -273,3 +273,63 @@ def test_entry_point_errors(assets, tmp_path):
     empty.write_text("\n")
     with pytest.raises(Exception, match="suite 'jsonl': no prompts"):  # the loader's error (wrapped by Hydra)
         ev.run(_compose(_overrides(assets, tmp_path / "c") + [f"suite.jsonl.path={empty}"]))
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+@pytest.fixture(scope="module")
+def baseline_runs(assets, tmp_path_factory):
+    """``drafter=prompt_lookup`` and ``drafter=ar_assistant drafter.path=<a tiny HF LM>`` at T=0 and T=1."""
+    tok = _tokenizer()
+    _target(tok, seed=3).save_pretrained(assets / "assistant")
+    runs = tmp_path_factory.mktemp("baselines")
+    docs = {}
+    for choice, extra in (("prompt_lookup", []), ("ar_assistant", [f"drafter.path={assets / 'assistant'}"])):
+        overrides = [o for o in _overrides(assets, runs / choice) if not o.startswith("drafter.path=")]
+        docs[choice] = ev.run(_compose([*overrides, f"drafter={choice}", *extra]))
+    return runs, docs
+
+
+def test_baselines_through_the_entry_point(baseline_runs, assets):
+    runs, docs = baseline_runs
+    lookup, assistant = docs["prompt_lookup"], docs["ar_assistant"]
+    assert lookup["drafter"]["name"] == "prompt_lookup" and lookup["drafter"]["kind"] == "prompt_lookup"
+    assert lookup["drafter"]["config"] == {"num_draft_tokens": 15, "max_ngram": 3, "min_ngram": 1}
+    assert assistant["drafter"]["name"] == "ar_assistant" and assistant["drafter"]["path"] == str(assets / "assistant")
+    assert assistant["drafter"]["config"]["num_draft_tokens"] == 15 and assistant["drafter"]["num_parameters"] > 0
+    for doc in docs.values():
+        assert doc["drafter"]["description"].startswith("baseline")
+        for entries in doc["results"].values():
+            assert set(entries) == {"t0", "t1"}
+            assert entries["t0"]["greedy_match"] == 1.0 and entries["t0"]["K"] == 15  # exact at T=0
+            assert len(entries["t1"]["accept_hist"]) == 16
+    assert json.loads((runs / "prompt_lookup" / "results.json").read_text())["drafter"]["name"] == "prompt_lookup"
+
+
+def test_report_names_baseline_rows(baseline_runs, hydra_run, tmp_path):
+    from experiments import report as rp
+
+    runs, _ = baseline_runs
+    summary = rp.main([str(hydra_run), str(runs / "prompt_lookup"), str(runs / "ar_assistant"), "--out",
+                       str(tmp_path / "report"), "--baseline", "fresh", "--num-bootstrap", "50"])
+    names = [c["name"] for c in summary["configurations"]]
+    assert names == ["fresh", "prompt_lookup", "ar_assistant"]
+    assert summary["training_curves"] == {}
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "| prompt_lookup |" in text and "| ar_assistant |" in text and "— baseline: copies what followed" in text
+    assert set(summary["table"]["t0"]["mean"]) == set(names)
+
+
+def test_baseline_errors(assets, tmp_path):
+    other = tiny_target(vocab_size=64)
+    other.save_pretrained(tmp_path / "small_vocab")
+    base = [o for o in _overrides(assets, tmp_path / "a") if not o.startswith("drafter.path=")]
+    with pytest.raises(ValueError, match="does not fit target.path=.*outputs 64 tokens, the target 300"):
+        ev.run(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'small_vocab'}"]))
+    with pytest.raises(FileNotFoundError, match="drafter.path=.*no such directory"):
+        ev.run(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'missing'}"]))
+    with pytest.raises(ValueError, match="min_ngram"):
+        ev.run(_compose([*base, "drafter=prompt_lookup", "drafter.min_ngram=4"]))
+    with pytest.raises(TypeError, match="not an evaluation drafter"):
+        ev.run(_compose([*base, "drafter=dflash"]))  # training's drafter group: refused with a clear error

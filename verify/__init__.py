@@ -1,6 +1,6 @@
 """Exact speculative decoding: rejection-sampling verifier, decoding loops, drafter protocol, metrics."""
 
-from verify.drafter import AssistantDrafter, Drafter, output_vocab_size, truncated_copy
+from verify.drafter import AssistantDrafter, Drafter, PromptLookupDrafter, output_vocab_size, truncated_copy
 from verify.generate import SpeculativeOutput, TargetOutput, speculative_generate, target_generate
 from verify.metrics import (
     accept_histogram,
@@ -15,6 +15,7 @@ from verify.rejection import sample_tokens, verify_block, verify_greedy, warp_pr
 __all__ = [
     "AssistantDrafter",
     "Drafter",
+    "PromptLookupDrafter",
     "SpeculativeOutput",
     "TargetOutput",
     "accept_histogram",

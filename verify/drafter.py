@@ -205,6 +205,69 @@ class AssistantDrafter:
         return torch.stack(tokens, dim=1), (None if greedy else torch.stack(probs, dim=1))
 
 
+class PromptLookupDrafter:
+    """Prompt lookup decoding: copy what followed the latest earlier occurrence of the row's last n-gram.
+
+    No model and no training (transformers' ``prompt_lookup_num_tokens``). Per row, ``seq`` is the
+    row's committed tokens (holes are not tokens) followed by the anchor. For n = ``max_ngram`` down
+    to ``min_ngram``, the latest occurrence of ``seq[-n:]`` that ends before the last token is
+    looked up (:func:`lookup_start`); the first n that has one wins, and the drafts are the K tokens
+    that followed it. Where fewer than K tokens follow, the copy goes on into its own drafts, i.e.
+    the repeat continues with the same period (:func:`copy_tokens`); where no n-gram recurs, the
+    drafts repeat the anchor (a copy with period 1). Drafts are deterministic (q is None) at every
+    temperature.
+    """
+
+    target_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int, num_draft_tokens: int, max_ngram: int = 3, min_ngram: int = 1):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens (K) must be >= 1, got {num_draft_tokens}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.vocab_size = int(vocab_size)
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        self.reset(0)
+
+    def reset(self, batch_size: int) -> None:
+        self._tokens = [torch.zeros(0, dtype=torch.long) for _ in range(batch_size)]  # committed, per row (CPU)
+
+    def extend(self, input_ids, attention_mask, position_ids=None, hidden_states=None) -> None:
+        ids, keep = input_ids.long().cpu(), attention_mask.cpu().bool()
+        self._tokens = [torch.cat([old, row[m]]) for old, row, m in zip(self._tokens, ids, keep)]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._tokens = [self._tokens[i] for i in rows.tolist()]
+
+    def draft(self, anchor_ids, anchor_position_ids=None, **sampling):
+        drafts = []
+        for history, anchor in zip(self._tokens, anchor_ids.cpu()):
+            seq = torch.cat([history, anchor.view(1)])
+            drafts.append(copy_tokens(seq, lookup_start(seq, self.max_ngram, self.min_ngram), self.num_draft_tokens))
+        return torch.stack(drafts).to(anchor_ids.device), None
+
+
+def lookup_start(seq: torch.Tensor, max_ngram: int, min_ngram: int = 1) -> int:
+    """Where the copy starts in ``seq`` (L,): just after the latest occurrence of ``seq[-n:]`` that ends
+    before the last token, for the largest n in ``max_ngram..min_ngram`` that has one; L - 1 (the last
+    token itself) when none does."""
+    length = seq.numel()
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # (L - n, n): window i is seq[i:i + n], ending before the last token
+        hits = (windows == seq[-n:]).all(dim=1).nonzero()
+        if hits.numel():
+            return int(hits[-1]) + n
+    return length - 1
+
+
+def copy_tokens(seq: torch.Tensor, start: int, k: int) -> torch.Tensor:
+    """``k`` tokens copied from ``seq[start:]`` (L,), continuing into the copy itself past the end
+    (the pattern repeats with period L - start). Returns (k,) long."""
+    period = seq[start:]
+    return period.repeat(-(-k // period.numel()))[:k]
+
+
 def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     """A copy of a Hugging Face causal LM keeping only its first ``num_layers`` decoder layers.
 

@@ -1,0 +1,1 @@
+"""Config groups that only experiments.evaluate searches (hydra.searchpath in conf/evaluate.yaml)."""

@@ -1,0 +1,417 @@
+"""Import and export of the DFlash serving format (DESIGN.md §5b).
+
+vLLM (``"method": "dflash"``), SGLang (``--speculative-algorithm DFLASH``) and the ``dflash`` package
+load block drafters from one directory:
+
+* ``config.json``: a Qwen3 config of the drafter (``model_type: qwen3``; hidden size = the target's;
+  ``num_hidden_layers`` = drafter layers) with ``architectures: ["DFlashDraftModel"]``, top-level
+  ``block_size`` and ``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``;
+* ``model.safetensors``: the drafter's weights only (the target's embedding and LM head are shared).
+
+The forward is blockdraft's (:mod:`drafters.model`) with ``qk_norm=True``: context features
+``hidden_norm(fc(concat(h)))`` enter every layer's k/v projections un-normalised, queries come from
+the block ``[anchor, MASK x K]`` only, keys are ``k_norm`` + RoPE of context and block alike,
+attention over context + block is bidirectional, ``norm`` then the target's LM head.
+
+Two conventions differ and are converted here:
+
+* **layer ids**: a DFlash target layer id ``i`` reads ``hidden_states[i + 1]`` (layer i's output);
+  blockdraft's ids index ``hidden_states`` directly, so blockdraft id = DFlash id + 1 and blockdraft's
+  id 0 (the embeddings) has no DFlash equivalent;
+* **parameter names** (``_TOP`` and ``_LAYER`` below).
+
+What blockdraft cannot express is refused on import, naming the field and the value it needs:
+another architecture (DFlash2), sliding-window or causal layers, a RoPE scaling type, another
+activation, non-neutral embedding/logit scales, a target of another size.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drafters.model import CONFIG_NAME, WEIGHTS_NAME, BlockDiffusionDrafter, DrafterConfig, target_fingerprint
+
+ARCHITECTURE = "DFlashDraftModel"
+MODEL_TYPE = "qwen3"
+DEFAULT_BLOCK_SIZE = 16  # what the reference assumes when a config names none
+# dflash_config keys blockdraft reads, and the keys the reference reads with the value that makes them
+# a no-op (anything else changes the forward in a way blockdraft does not implement).
+_DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size")
+_NEUTRAL = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+            # read by vLLM's DFlash model (dflash_config first, then the top level)
+            "causal": False, "use_swa": False, "attention_sink_bias": False, "is_neox_style": True,
+            "use_aux_hidden_state": True, "logit_scale": 1.0}
+# blockdraft module names -> DFlash names: top level, and inside ``layers.N``.
+_TOP = {"fuse": "fc", "fuse_norm": "hidden_norm", "norm": "norm"}
+_LAYER = {"input_norm": "input_layernorm", "attn": "self_attn", "post_attn_norm": "post_attention_layernorm",
+          "mlp": "mlp"}
+
+
+class DFlashFormatError(ValueError):
+    """A DFlash checkpoint (or a drafter to export) that blockdraft cannot convert exactly."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Names
+
+
+def _rename(key: str, top: dict[str, str], layer: dict[str, str]) -> str:
+    parts = key.split(".")
+    table, i = (layer, 2) if parts[0] == "layers" and len(parts) > 2 else (top, 0)
+    if parts[i] not in table:
+        raise KeyError(key)
+    parts[i] = table[parts[i]]
+    return ".".join(parts)
+
+
+def to_dflash_name(key: str) -> str:
+    """``layers.0.attn.q_proj.weight`` -> ``layers.0.self_attn.q_proj.weight``, ``fuse.weight`` -> ``fc.weight``."""
+    return _rename(key, _TOP, _LAYER)
+
+
+def from_dflash_name(key: str) -> str:
+    """The inverse of :func:`to_dflash_name`."""
+    return _rename(key, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()})
+
+
+def dflash_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's default DFlash layer ids when a config lists none (one per drafter layer,
+    spread over target layers 1 .. L-3; the middle layer for a 1-layer drafter)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Export
+
+
+def _embedding_scale(target: nn.Module | None) -> float:
+    """The factor a target's embedding module applies on top of its weight lookup (Gemma-style)."""
+    if target is None:
+        return 1.0
+    embed = target.get_input_embeddings()
+    scale = getattr(embed, "embed_scale", None)
+    if scale is None:
+        return 1.0
+    return float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+
+
+FINAL_OUTPUT_WARNING = (
+    "target_layer_ids {ids} include {last}, the target's last hidden state, which Hugging Face returns after "
+    "the final norm (DFlash layer id {dflash}). The dflash package reads it the same way, but vLLM "
+    "captures the residual stream at the input of target layers and never provides this state: to serve "
+    "with vLLM, train the drafter with target_layer_ids below {last}")
+
+
+def reads_final_output(cfg: DrafterConfig) -> bool:
+    """Whether the drafter reads ``hidden_states[L]`` (the target's final-norm output)."""
+    return cfg.target_fingerprint["num_hidden_layers"] in cfg.target_layer_ids
+
+
+def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: int | None = None,
+                  dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The DFlash ``config.json`` of ``drafter`` (refuses what DFlash cannot express)."""
+    cfg: DrafterConfig = drafter.config
+    if not cfg.qk_norm:
+        raise DFlashFormatError(
+            "drafter config qk_norm=False (a drafter saved before q/k norm existed): DFlash layers always "
+            "apply per-head q/k RMSNorm, so it cannot be exported exactly; expected qk_norm=True "
+            "(train a new drafter, the default)")
+    if 0 in cfg.target_layer_ids:
+        raise DFlashFormatError(
+            f"target_layer_ids {list(cfg.target_layer_ids)} include 0 (the target's embeddings): a DFlash "
+            "target layer id i reads hidden_states[i + 1], so only ids >= 1 (layer outputs) can be exported")
+    if reads_final_output(cfg):
+        warnings.warn(FINAL_OUTPUT_WARNING.format(ids=list(cfg.target_layer_ids),
+                                                  last=cfg.target_fingerprint["num_hidden_layers"],
+                                                  dflash=cfg.target_fingerprint["num_hidden_layers"] - 1),
+                      stacklevel=3)
+    scale = _embedding_scale(getattr(drafter, "_target", None))
+    if scale != 1.0:
+        raise DFlashFormatError(
+            f"the target's input embedding scales its rows by {scale}: DFlash servers embed the block with "
+            "the raw embedding weight (scale 1.0), so this drafter's inputs would differ")
+    if max_position_embeddings is None:
+        target = getattr(drafter, "_target", None)
+        limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+        max_position_embeddings = int(limit) if limit else 32768
+    weight_dtype = dtype or drafter.fuse.weight.dtype
+    n = cfg.num_layers
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": n,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        # both spellings: rope_theta/rope_scaling (transformers 4) and rope_parameters (transformers 5)
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n,
+        "layer_types": ["full_attention"] * n,
+        "tie_word_embeddings": False,
+        "dtype": str(weight_dtype).removeprefix("torch."),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.target_fingerprint["num_hidden_layers"],
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+        },
+        # Provenance (ignored by servers): lets blockdraft refuse a different target on import.
+        "blockdraft": {"target_fingerprint": dict(cfg.target_fingerprint)},
+    }
+
+
+def dflash_state_dict(drafter: BlockDiffusionDrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The drafter's weights under DFlash names (contiguous CPU tensors, optionally cast)."""
+    return {to_dflash_name(k): v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous()
+            for k, v in drafter.state_dict().items()}
+
+
+def export_dflash(drafter: BlockDiffusionDrafter, out_dir: str | Path, *, card: str | None = None,
+                  max_position_embeddings: int | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write ``drafter`` to ``out_dir`` in the DFlash format: config.json, model.safetensors, README.md.
+
+    ``card``: the model card's text (default: :func:`model_card` with no training information).
+    ``max_position_embeddings``: written to the config (default: the attached target's, else 32768).
+    ``dtype``: cast the weights (e.g. ``torch.bfloat16`` for serving); default: keep the drafter's.
+    """
+    config = dflash_config(drafter, max_position_embeddings=max_position_embeddings, dtype=dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dflash_state_dict(drafter, dtype), str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "README.md").write_text(card if card is not None else model_card(drafter, out_dir))
+    return out_dir
+
+
+def serving_commands(out_dir: str | Path, target: str = "<target model>", num_speculative_tokens: int = 15) -> dict:
+    """vLLM and SGLang command lines serving ``target`` with the DFlash drafter in ``out_dir``."""
+    spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": num_speculative_tokens})
+    return {
+        "vllm": f"vllm serve {target} --speculative-config '{spec}'",
+        "sglang": (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+                   f"--speculative-draft-model-path {out_dir}"),
+    }
+
+
+def model_card(drafter: BlockDiffusionDrafter, out_dir: str | Path, *, target: str | None = None,
+               data: str | None = None, loss: str | None = None,
+               tau: dict[str, dict[str, float]] | None = None, notes: str | None = None) -> str:
+    """A short README.md: what the drafter is, how it was trained, its τ, how to serve it.
+
+    ``tau``: ``{suite: {"T=0": τ, ...}}`` (e.g. from a results.json); missing items read "unknown".
+    """
+    cfg = drafter.config
+    fp = cfg.target_fingerprint
+    target_name = target or "<target model>"
+    cmds = serving_commands(out_dir, target_name, cfg.block_size - 1)
+    params = sum(p.numel() for p in drafter.parameters())
+    lines = [
+        "# Block-diffusion drafter (DFlash format)",
+        "",
+        (f"A {cfg.num_layers}-layer block drafter ({params:,} parameters) trained with blockdraft for speculative "
+        f"decoding of **{target_name}** ({fp['model_type']}, {fp['num_hidden_layers']} layers, hidden "
+        f"{fp['hidden_size']}, vocabulary {fp['vocab_size']}). It drafts {cfg.block_size - 1} tokens per step "
+        f"(block size {cfg.block_size}, mask token {cfg.mask_token_id}) from the hidden states of target "
+        f"layers {[i - 1 for i in cfg.target_layer_ids]} (DFlash layer ids, counted from 0)."),
+        "",
+        f"- Training data: {data or 'unknown'}",
+        f"- Loss: {loss or 'unknown'}",
+    ]
+    if tau:
+        temps = sorted({t for row in tau.values() for t in row})
+        lines += ["", "τ (accepted tokens per verification step, bonus included; exact verification):", "",
+                  "| suite | " + " | ".join(temps) + " |", "|---" * (len(temps) + 1) + "|"]
+        for suite, row in tau.items():
+            lines.append(f"| {suite} | " + " | ".join(f"{row[t]:.3f}" if t in row else "—" for t in temps) + " |")
+    else:
+        lines += ["- τ: not measured (no results.json next to the training run)"]
+    if reads_final_output(cfg):
+        lines += ["", (f"Caveat: this drafter reads the target's last hidden state (after its final norm, DFlash "
+                       f"layer id {fp['num_hidden_layers'] - 1}). The `dflash` package provides it; vLLM captures "
+                       "only the inputs of target layers and does not, so check it before serving with vLLM.")]
+    if notes:
+        lines += ["", notes]
+    lines += [
+        "",
+        "## Serve",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        cmds["vllm"],
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        cmds["sglang"],
+        "```",
+        "",
+        ("Serving engines need a GPU; blockdraft checked this checkpoint against the `dflash` reference "
+         "package on CPU, not inside vLLM or SGLang."),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Import
+
+
+def _refuse(directory: Path, message: str) -> DFlashFormatError:
+    return DFlashFormatError(f"DFlash checkpoint {directory}: {message}")
+
+
+def _draft_value(raw: dict[str, Any], name: str, default: Any = None) -> Any:
+    """A DFlash setting as the reference reads it: ``dflash_config`` first, then the top level."""
+    return (raw.get("dflash_config") or {}).get(name, raw.get(name, default))
+
+
+def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Path = Path(".")) -> DrafterConfig:
+    """The :class:`DrafterConfig` of a DFlash ``config.json`` (``raw``) for a target with ``target_config``.
+
+    The JSON is read through transformers' ``Qwen3Config``, as the reference reads it (so derived
+    fields such as ``layer_types`` and ``head_dim`` get the same defaults).
+    """
+    from transformers import Qwen3Config
+
+    archs = raw.get("architectures")
+    if archs != [ARCHITECTURE]:
+        extra = " (DFlash2: dynamic convolutions and a candidate selector)" if archs and "DFlash2DraftModel" in archs else ""
+        raise _refuse(directory, f"architectures={archs!r}{extra} cannot be imported; expected [{ARCHITECTURE!r}]")
+    if raw.get("model_type") != MODEL_TYPE:
+        raise _refuse(directory, f"model_type={raw.get('model_type')!r}; expected {MODEL_TYPE!r}")
+    extra_keys = sorted(set(raw.get("dflash_config") or {}) - set(_DFLASH_KEYS) - set(_NEUTRAL))
+    if extra_keys:
+        raise _refuse(directory, f"dflash_config has keys {extra_keys} that blockdraft does not implement; "
+                                 f"expected only {sorted(_DFLASH_KEYS + tuple(_NEUTRAL))}")
+    for name, neutral in _NEUTRAL.items():
+        value = _draft_value(raw, name, neutral)
+        if not (value == neutral or (neutral is None and not value)):
+            raise _refuse(directory, f"{name}={value!r}; expected {neutral!r} (blockdraft applies no such scaling)")
+    for name in ("target_hidden_size", "draft_vocab_size"):
+        other = "hidden_size" if name == "target_hidden_size" else "vocab_size"
+        if raw.get(name) is not None and raw[name] != raw.get(other):
+            raise _refuse(directory, f"{name}={raw[name]} differs from {other}={raw.get(other)}; expected "
+                                     f"{name}={raw.get(other)} (blockdraft drafters are as wide as the target "
+                                     "and share its vocabulary)")
+    qc = Qwen3Config.from_dict(raw)
+    if qc.hidden_act != "silu":
+        raise _refuse(directory, f"hidden_act={qc.hidden_act!r}; expected 'silu' (blockdraft's SwiGLU MLP)")
+    layer_types = list(getattr(qc, "layer_types", None) or ["full_attention"] * qc.num_hidden_layers)
+    for i, kind in enumerate(layer_types):
+        if kind != "full_attention":
+            raise _refuse(directory, f"layer_types[{i}]={kind!r} (sliding_window={qc.sliding_window}); expected "
+                                     "'full_attention' (blockdraft layers attend bidirectionally to all columns)")
+    if getattr(qc, "is_causal", None):
+        raise _refuse(directory, f"is_causal={qc.is_causal!r}; expected false (bidirectional blocks)")
+    rope = getattr(qc, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise _refuse(directory, f"rope_parameters.rope_type={rope_type!r}; expected 'default' (plain RoPE)")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _refuse(directory, f"partial_rotary_factor={rope['partial_rotary_factor']}; expected 1.0")
+    rope_theta = float(rope.get("rope_theta", getattr(qc, "rope_theta", 10000.0)))
+
+    fingerprint = target_fingerprint(target_config)
+    target_layers = fingerprint["num_hidden_layers"]
+    for field, theirs in (("hidden_size", fingerprint["hidden_size"]), ("vocab_size", fingerprint["vocab_size"])):
+        if getattr(qc, field) != theirs:
+            raise _refuse(directory, f"{field}={getattr(qc, field)} but the target has {field}={theirs} "
+                                     "(the drafter shares the target's embedding and LM head); expected "
+                                     f"{field}={theirs}")
+    num_target_layers = raw.get("num_target_layers")
+    if num_target_layers is not None and int(num_target_layers) != target_layers:
+        raise _refuse(directory, f"num_target_layers={num_target_layers} but the target has {target_layers} "
+                                 f"layers; expected num_target_layers={target_layers}")
+    layer_ids = _draft_value(raw, "target_layer_ids")
+    if layer_ids is None:
+        layer_ids = dflash_target_layer_ids(target_layers, qc.num_hidden_layers)
+    layer_ids = [int(i) for i in layer_ids]
+    bad = [i for i in layer_ids if not 0 <= i < target_layers]
+    if bad:
+        raise _refuse(directory, f"dflash_config.target_layer_ids {bad} out of range for a target with "
+                                 f"{target_layers} layers; expected ids in 0..{target_layers - 1}")
+    eagle_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if eagle_ids and [int(i) for i in eagle_ids] != [i + 1 for i in layer_ids]:
+        raise _refuse(directory, f"eagle_aux_hidden_state_layer_ids={list(eagle_ids)} disagrees with "
+                                 f"dflash_config.target_layer_ids={layer_ids}; expected "
+                                 f"{[i + 1 for i in layer_ids]} (DFlash id + 1) or no such key")
+    mask_token_id = _draft_value(raw, "mask_token_id")
+    if mask_token_id is None:
+        raise _refuse(directory, "dflash_config.mask_token_id is missing; expected the id of the mask token")
+    recorded = (raw.get("blockdraft") or {}).get("target_fingerprint")
+    if recorded:  # exported by blockdraft: keep what it was trained for, so attach_target compares it
+        fingerprint = dict(recorded)
+    return DrafterConfig(
+        block_size=int(_draft_value(raw, "block_size", DEFAULT_BLOCK_SIZE)),
+        num_layers=int(qc.num_hidden_layers),
+        hidden_size=int(qc.hidden_size),
+        num_heads=int(qc.num_attention_heads),
+        num_kv_heads=int(qc.num_key_value_heads),
+        head_dim=int(getattr(qc, "head_dim", None) or qc.hidden_size // qc.num_attention_heads),
+        intermediate_size=int(qc.intermediate_size),
+        rms_norm_eps=float(qc.rms_norm_eps),
+        rope_theta=rope_theta,
+        vocab_size=int(qc.vocab_size),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=tuple(i + 1 for i in layer_ids),
+        target_fingerprint=fingerprint,
+        qk_norm=True,
+        attention_bias=bool(qc.attention_bias),
+    )
+
+
+def load_dflash(directory: str | Path, target: nn.Module | None,
+                drafter_class: type[BlockDiffusionDrafter] = BlockDiffusionDrafter) -> BlockDiffusionDrafter:
+    """A DFlash checkpoint as a :class:`BlockDiffusionDrafter` attached to ``target``."""
+    directory = Path(directory)
+    if target is None or getattr(target, "config", None) is None:
+        raise _refuse(directory, "importing a DFlash checkpoint needs the target model "
+                                 "(BlockDiffusionDrafter.from_pretrained(dir, target)): its config does not "
+                                 "record the target's architecture")
+    raw = json.loads((directory / CONFIG_NAME).read_text())
+    config = dflash_drafter_config(raw, target.config, directory)
+    drafter = drafter_class(config)
+    expected = {to_dflash_name(k): k for k in drafter.state_dict()}
+    weights = load_file(str(directory / WEIGHTS_NAME))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise _refuse(directory, f"{WEIGHTS_NAME} does not match its config.json: missing {missing[:8]}, "
+                                 f"unexpected {unexpected[:8]} (expected the {len(expected)} tensors of a "
+                                 f"{config.num_layers}-layer DFlashDraftModel)")
+    state = drafter.state_dict()
+    bad = [f"{name}: {tuple(w.shape)}, expected {tuple(state[expected[name]].shape)}"
+           for name, w in weights.items() if tuple(w.shape) != tuple(state[expected[name]].shape)]
+    if bad:
+        raise _refuse(directory, "tensor shapes do not match its config.json: " + "; ".join(bad[:4]))
+    drafter.load_state_dict({expected[name]: w for name, w in weights.items()}, strict=True)
+    return drafter.attach_target(target)
+
+
+__all__ = ["DFlashFormatError", "dflash_config", "dflash_drafter_config", "dflash_state_dict",
+           "dflash_target_layer_ids", "export_dflash", "from_dflash_name", "load_dflash", "model_card",
+           "serving_commands", "to_dflash_name"]

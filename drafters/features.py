@@ -1,0 +1,191 @@
+"""Cached target features: the frozen target's selected hidden states, computed once per sequence.
+
+A drafter step then costs only the drafter: the target forward (the larger share of a training
+step, see ``experiments.bench_train``) runs once per regenerated sequence instead of once per step.
+
+Layout, beside the regenerated data (``<data dir>/features/<key>/``, ``key`` names the layers, the
+dtype and the length limit)::
+
+    meta.json               layer ids, dtype, max_length, target fingerprint, rows, "complete"
+    part-00000.npy          (tokens, L*H) the concatenated hidden states of rows [0, n0), flat
+    part-00000.offsets.npy  (n0 + 1,) int64: row i of the part spans offsets[i]:offsets[i + 1]
+    part-00001.npy ...
+
+Row order is the data dir's row order (``drafters.data.load_regenerated``). Parts are written to a
+temporary name and renamed into place, so a killed job leaves only whole parts and resumes after
+the last one. Parts are memory-mapped when read, so the cache may exceed the machine's memory.
+The feature of column c is ``concat(hidden_states[i][c] for i in target_layer_ids)``: exactly what
+:meth:`drafters.BlockDiffusionDrafter.fuse_context` reads, so the drafter's fuse layer (trained)
+still runs on every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+META = "meta.json"
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def features_key(target_layer_ids: Sequence[int], dtype: str, max_length: int | None) -> str:
+    """Folder name of a feature cache: ``layers-1-3-6_float16_len512``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"features dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    layers = "-".join(str(int(i)) for i in target_layer_ids)
+    return f"layers-{layers}_{dtype}_len{max_length if max_length is not None else 'all'}"
+
+
+def features_dir(data_dir: str | Path, target_layer_ids: Sequence[int], dtype: str,
+                 max_length: int | None) -> Path:
+    return Path(data_dir).expanduser() / "features" / features_key(target_layer_ids, dtype, max_length)
+
+
+def _parts(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("part-*.npy") if not p.name.endswith(".offsets.npy"))
+
+
+def _rows_done(root: Path) -> int:
+    return sum(len(np.load(p.with_suffix(".offsets.npy"), mmap_mode="r")) - 1 for p in _parts(root))
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def _encode(target, rows: Sequence[list[int]], layer_ids: Sequence[int], device) -> list[torch.Tensor]:
+    """Selected hidden states of right-padded rows: one (len_i, L*H) float tensor per row."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.as_tensor(r)
+        mask[b, : len(r)] = 1
+    out = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                 use_cache=False, **({"logits_to_keep": 1} if _keeps_logits(target) else {}))
+    states = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1).float().cpu()  # (B, S, L*H)
+    return [states[b, : len(r)] for b, r in enumerate(rows)]
+
+
+def _keeps_logits(target) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | Path, *,
+                     target_layer_ids: Sequence[int], dtype: str = "float16", max_length: int | None = None,
+                     fingerprint: dict | None = None, batch_size: int = 8, rows_per_part: int = 256,
+                     progress: bool = True) -> Path:
+    """Write the feature cache of ``input_ids`` (every row, cut to ``max_length``) into ``out_dir``.
+
+    Resumes after the last whole part; refuses a folder written with other settings.
+    """
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    meta = {"target_layer_ids": [int(i) for i in target_layer_ids], "dtype": dtype,
+            "max_length": max_length, "target_fingerprint": fingerprint, "rows": len(input_ids)}
+    old = read_features_meta(root)
+    if old and {k: old.get(k) for k in meta} != meta:
+        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        raise ValueError(f"feature cache {root} was written with other settings {diff} (saved, now): "
+                         "delete the folder or change data.features")
+    if old.get("complete"):
+        return root
+    (root / META).write_text(json.dumps({**meta, "complete": False}, indent=1) + "\n")
+    device = next(target.parameters()).device
+    rows = [list(r[:max_length] if max_length else r) for r in input_ids]
+    done, index = _rows_done(root), len(_parts(root))
+    bar = tqdm(total=len(rows), initial=done, desc="target features", unit="row", disable=not progress)
+    while done < len(rows):
+        chunk = rows[done: done + rows_per_part]
+        feats = []
+        for s in range(0, len(chunk), batch_size):
+            feats += _encode(target, chunk[s: s + batch_size], target_layer_ids, device)
+            bar.update(len(chunk[s: s + batch_size]))
+        offsets = np.cumsum([0] + [len(f) for f in feats]).astype(np.int64)
+        part = root / f"part-{index:05d}.npy"
+        _save_atomic(part.with_suffix(".offsets.npy"), offsets)  # offsets first: a part implies them
+        _save_atomic(part, torch.cat(feats).numpy().astype(DTYPES[dtype]))
+        done, index = done + len(chunk), index + 1
+    bar.close()
+    (root / META).write_text(json.dumps({**meta, "complete": True}, indent=1) + "\n")
+    return root
+
+
+def ensure_features(target, data_dir: str | Path, target_layer_ids: Sequence[int], *, dtype: str = "float16",
+                    max_length: int | None = None, batch_size: int = 8, progress: bool = True) -> Path:
+    """The feature cache of a regenerated data dir for these layers, computed first if missing."""
+    from drafters.data import load_regenerated
+    from drafters.model import target_fingerprint
+
+    root = features_dir(data_dir, target_layer_ids, dtype, max_length)
+    if read_features_meta(root).get("complete"):
+        return root
+    data = load_regenerated(data_dir)
+    return compute_features(target, data["input_ids"], root, target_layer_ids=target_layer_ids, dtype=dtype,
+                            max_length=max_length, fingerprint=target_fingerprint(target.config),
+                            batch_size=batch_size, progress=progress)
+
+
+def read_features_meta(root: str | Path) -> dict:
+    path = Path(root) / META
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"feature cache metadata {path} is not valid JSON ({e}); delete the folder") from e
+
+
+class FeatureStore:
+    """Read access to a complete feature cache: ``store[row]`` is a (len, L*H) float tensor."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.meta = read_features_meta(self.root)
+        if not self.meta.get("complete"):
+            raise FileNotFoundError(f"feature cache {self.root} is missing or incomplete; it is written by "
+                                    "drafters.features.compute_features (experiments.train does it first)")
+        self._arrays, self._offsets, self._first = [], [], [0]
+        for part in _parts(self.root):
+            try:
+                offsets = np.load(part.with_suffix(".offsets.npy"))
+                array = np.load(part, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"feature part {part} cannot be read ({e}): the file is damaged; "
+                                 f"delete {self.root} to recompute it") from e
+            if array.shape[0] != offsets[-1]:
+                raise ValueError(f"feature part {part} holds {array.shape[0]} tokens, its offsets say "
+                                 f"{offsets[-1]}: the file is damaged; delete {self.root}")
+            self._arrays.append(array)
+            self._offsets.append(offsets)
+            self._first.append(self._first[-1] + len(offsets) - 1)
+        if self._first[-1] != self.meta["rows"]:
+            raise ValueError(f"feature cache {self.root} holds {self._first[-1]} rows, meta.json says "
+                             f"{self.meta['rows']}; delete the folder")
+
+    def __len__(self) -> int:
+        return self._first[-1]
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        part = int(np.searchsorted(self._first, row, side="right")) - 1
+        offsets, local = self._offsets[part], row - self._first[part]
+        chunk = self._arrays[part][offsets[local]: offsets[local + 1]]
+        return torch.from_numpy(np.array(chunk, dtype=np.float32))  # a copy: the map stays read-only
+
+
+__all__ = ["FeatureStore", "compute_features", "ensure_features", "features_dir", "features_key"]

@@ -1,0 +1,318 @@
+"""The ``ar_assistant`` baseline: a small causal LM distilled from the target on its regenerated answers.
+
+Library code of ``python -m experiments.train_assistant`` (conf/train_assistant.yaml). The assistant
+is a Hugging Face ``LlamaForCausalLM`` with the target's vocabulary and special ids, by default
+started from the target's embeddings, first layers, final norm and LM head (:func:`build_assistant`), trained with next-token cross-entropy on the *response* tokens of the
+same regenerated data the block drafters train on (``data``: :class:`drafters.data.RegenDataModule`,
+same validation split), and exported with ``save_pretrained`` plus the target's tokenizer
+(:func:`export_assistant`), ready for ``verify.AssistantDrafter`` / ``drafter=ar_assistant``.
+
+Validation (:class:`AssistantLM`) on the held-out rows, response tokens only:
+
+* ``val/ce`` (nats/token) and ``val/acc`` (teacher-forced top-1 accuracy);
+* ``val/tau_greedy``: greedy verification replayed block by block with K = ``num_draft_tokens``
+  (:func:`leading_correct` then ``drafters.module.greedy_walk``). At temperature 0 the assistant's
+  k-th draft equals its teacher-forced argmax whenever drafts 1..k−1 were right, so on the target's
+  greedy answers (``data=regen_greedy``) this is the online τ of ``verify.speculative_generate``
+  (up to argmax ties between a cached and a full forward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+# ----------------------------------------------------------------------------- model
+
+
+def build_assistant(target, model: dict, init_from_target: bool = True):
+    """A ``LlamaForCausalLM`` with the target's vocabulary and special token ids.
+
+    ``model`` holds the architecture (hidden_size, num_hidden_layers, ...; LlamaConfig fields). With
+    ``init_from_target`` every weight is copied from the target parameter of the same name (its
+    embeddings, first ``num_hidden_layers`` layers, final norm and LM head), so the architecture must
+    match the target's apart from the depth; otherwise the weights are random.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    text = target.config.get_text_config()
+    ids = {k: getattr(text, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    assistant = LlamaForCausalLM(LlamaConfig(vocab_size=text.vocab_size, **ids, **model))
+    if init_from_target:
+        ours = assistant.state_dict()
+        theirs = {k: v for k, v in target.state_dict().items() if k in ours}
+        wrong = sorted(k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape)
+        if wrong:
+            raise ValueError(f"init_from_target: the target has no weight of the assistant's shape for {wrong[:4]} "
+                             f"(the model settings must match the target's except num_hidden_layers)")
+        assistant.load_state_dict(theirs)
+    return assistant
+
+
+def response_labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token labels of a right-padded batch (:func:`drafters.data.collate`) and where they count.
+
+    Returns ``labels (B, S - 1)`` (column c + 1 of ``input_ids``, predicted at column c) and
+    ``mask (B, S - 1) bool``: True where that label is a response token (``prompt_len <= c + 1 < length``).
+    """
+    ids = batch["input_ids"]
+    cols = torch.arange(1, ids.shape[1], device=ids.device)  # (S - 1,) label columns
+    mask = (cols >= batch["prompt_len"].unsqueeze(1)) & (cols < batch["length"].unsqueeze(1))
+    return ids[:, 1:], mask
+
+
+def leading_correct(correct: Sequence[bool], limit: int) -> list[int]:
+    """``lead[c]``: how many predictions in a row are right from column c on (``correct[c]``,
+    ``correct[c + 1]``, ...), capped at ``limit``; one extra 0 at the end."""
+    lead = [0] * (len(correct) + 1)
+    for c in range(len(correct) - 1, -1, -1):
+        lead[c] = min(lead[c + 1] + 1, limit) if correct[c] else 0
+    return lead
+
+
+class AssistantLM(L.LightningModule):
+    """Next-token training of a causal LM on response tokens; validation CE, accuracy and greedy τ."""
+
+    def __init__(self, model, optimizer, scheduler=None, num_draft_tokens: int = 15):
+        super().__init__()
+        self.model, self.make_optimizer, self.make_scheduler = model, optimizer, scheduler
+        self.num_draft_tokens = num_draft_tokens
+        self.train_seconds, self._t0 = 0.0, None  # training wall time, summed over resumed runs
+
+    def _logits(self, batch) -> torch.Tensor:  # (B, S - 1, V)
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+
+    def training_step(self, batch, batch_idx):
+        labels, mask = response_labels(batch)
+        loss = torch.nn.functional.cross_entropy(self._logits(batch)[mask].float(), labels[mask])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val = {"nll": 0.0, "correct": 0, "count": 0, "kept": 0, "steps": 0}
+
+    def validation_step(self, batch, batch_idx):
+        from drafters.module import greedy_walk
+
+        labels, mask = response_labels(batch)
+        logits = self._logits(batch).float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (B, S - 1)
+        correct = logits.argmax(-1) == labels  # (B, S - 1)
+        self._val["nll"] += float(nll[mask].sum())
+        self._val["correct"] += int(correct[mask].sum())
+        self._val["count"] += int(mask.sum())
+        for row, prompt_len, length in zip(correct.tolist(), batch["prompt_len"].tolist(), batch["length"].tolist()):
+            _, kept = greedy_walk(leading_correct(row[: length - 1], self.num_draft_tokens), prompt_len, length)
+            self._val["kept"] += sum(kept)
+            self._val["steps"] += len(kept)
+
+    def on_validation_epoch_end(self) -> None:
+        v = self._val
+        self.log("val/ce", v["nll"] / max(v["count"], 1), prog_bar=True)
+        self.log("val/acc", v["correct"] / max(v["count"], 1))
+        self.log("val/tau_greedy", v["kept"] / max(v["steps"], 1))
+
+    def configure_optimizers(self):
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        optimizer = self.make_optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        if self.make_scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": self.make_scheduler(optimizer), "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        self._t0 = time.time()
+
+    def on_train_end(self) -> None:
+        self.train_seconds += time.time() - self._t0 if self._t0 else 0.0
+        self._t0 = None
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["train_seconds"] = self.train_seconds + (time.time() - self._t0 if self._t0 else 0.0)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.train_seconds = checkpoint.get("train_seconds", 0.0)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_assistant(model, target_path: str, out_dir: Path, dtype: str, meta: dict) -> Path:
+    """``save_pretrained`` (safetensors in ``dtype``) with the target's tokenizer, training.json and README.md."""
+    from transformers import AutoTokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy = type(model)(model.config).to(getattr(torch, dtype))
+    copy.load_state_dict(model.state_dict())
+    copy.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(target_path).save_pretrained(out_dir)
+    (out_dir / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out_dir / "README.md").write_text(model_card(meta))
+    return out_dir
+
+
+def model_card(meta: dict) -> str:
+    """README.md of an exported assistant, from its training record."""
+    val, first = meta["val"], meta.get("val_at_start") or {}
+
+    def fmt(metrics: dict, key: str) -> str:
+        return f"{metrics[key]:.3f}" if metrics.get(key) is not None else "—"
+
+    return f"""# blockdraft AR assistant (`ar_assistant` baseline)
+
+A small autoregressive draft model for the target `{meta['target_path_name']}`, distilled from it on
+the same regenerated answers the block drafters train on. It is the `ar_assistant` row of every
+report: `python -m experiments.evaluate drafter=ar_assistant` drafts K = 15 tokens per step with it
+through `verify.AssistantDrafter` (K forwards per step, exact verification).
+
+## Training
+
+- command: `{meta['command']}`
+- architecture: LlamaForCausalLM, {meta['parameters'] / 1e6:.2f}M parameters, {json.dumps(meta['model'])};
+  vocabulary and tokenizer of the target ({meta['vocab_size']} tokens); {meta['init']}
+- data: `{meta['data_dir'].replace(str(Path.home()), '~')}` ({meta['train_rows']} training / {meta['val_rows']} validation rows, the
+  drafters' split by id hash): {json.dumps(meta['data_generation'])}
+- loss: next-token cross-entropy on the response tokens only (the prompt is context)
+- steps: {meta['steps']}, batch {meta['batch_size']} sequences (≤ {meta['max_length']} tokens),
+  {meta['train_response_tokens_seen']:,} response tokens seen
+- optimiser: {json.dumps(meta['optimizer'])}; schedule: {json.dumps(meta['scheduler'])}
+- wall time: {meta['wall_time_s'] / 60:.1f} min of training on {meta['machine']}, {meta['threads']} thread(s),
+  torch {meta['torch']}
+- weights: {meta['export_dtype']} safetensors
+
+## Validation (held-out rows, response tokens)
+
+| metric | at step 0 | after training |
+|---|---|---|
+| cross-entropy (nats/token) | {fmt(first, 'val/ce')} | {fmt(val, 'val/ce')} |
+| top-1 accuracy | {fmt(first, 'val/acc')} | {fmt(val, 'val/acc')} |
+| greedy τ, K = {meta['num_draft_tokens']} (block-by-block replay) | {fmt(first, 'val/tau_greedy')} | {fmt(val, 'val/tau_greedy')} |
+
+Step 0 is the initialisation ({meta['init']}). On greedy data (`data=regen_greedy`) the replayed τ is
+what `verify.speculative_generate` measures at temperature 0 on these answers. It is a toy, like its
+target: its numbers say how the toolkit behaves.
+"""
+
+
+# ----------------------------------------------------------------------------- the training run
+
+
+def _keep_earlier_csv(logger, step: int) -> None:
+    """Lightning's CSVLogger deletes an existing metrics.csv: keep a resumed run's earlier rows beside it."""
+    if isinstance(logger, L.pytorch.loggers.CSVLogger):
+        current = Path(logger.log_dir) / "metrics.csv"
+        if current.is_file():
+            current.rename(current.with_name(f"metrics.before-step-{step}.csv"))
+
+
+def run(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
+    """Train (or resume) the assistant of ``cfg`` and export it; returns the export directory."""
+    from drafters.data import read_meta
+    from experiments.target import load_target
+
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    data_dir = Path(cfg.data.data_dir).expanduser()
+    if not read_meta(data_dir).get("complete"):
+        raise FileNotFoundError(f"no complete regenerated data at {data_dir}: run `python -m experiments.regenerate` "
+                                "with the same target and data overrides first")
+    target, tokenizer = load_target(cfg.target.path, "float32", "cpu", cfg.target.trust_remote_code)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad)
+    datamodule.setup("fit")
+    model = build_assistant(target, OmegaConf.to_container(cfg.model, resolve=True), cfg.init_from_target)
+    del target
+    module = AssistantLM(model, hydra.utils.instantiate(cfg.optimizer),
+                         hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+                         num_draft_tokens=cfg.num_draft_tokens)
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    first_step = int(torch.load(last, map_location="cpu", weights_only=True)["global_step"]) if last.is_file() else None
+    logger = hydra.utils.instantiate(cfg.logger)
+    if first_step is not None:
+        _keep_earlier_csv(logger, first_step)
+    trainer = make_trainer(cfg, run_dir, logger)
+    start_file = run_dir / "val_at_start.json"
+    if first_step is None:  # a fresh run: measure the initialisation
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        start_file.write_text(json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}, indent=1))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if first_step is not None else None)
+    trainer.save_checkpoint(str(last))
+    if trainer.global_step % cfg.train.val_every != 0 or trainer.global_step == (first_step or 0):
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    logger.save()
+
+    meta = training_record(cfg, module, trainer, datamodule, overrides)
+    meta["resumed_from_step"] = first_step
+    meta["val_at_start"] = json.loads(start_file.read_text()) if start_file.is_file() else None
+    export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"
+    export_assistant(model, str(cfg.target.path), export_dir, cfg.export_dtype, meta)
+    (run_dir / "train_summary.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"[train_assistant] {trainer.global_step} steps in {module.train_seconds:.0f} s; "
+          f"val {json.dumps(meta['val'])}; exported to {export_dir}", flush=True)
+    return export_dir
+
+
+def make_trainer(cfg: DictConfig, run_dir: Path, logger) -> L.Trainer:
+    """The Lightning trainer of ``cfg.trainer`` / ``cfg.train``, saving ``checkpoints/last.ckpt``."""
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                                                     every_n_train_steps=cfg.train.checkpoint_every)
+    return L.Trainer(**OmegaConf.to_container(cfg.trainer), max_steps=cfg.train.max_steps, max_epochs=-1,
+                     val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                     gradient_clip_val=cfg.train.gradient_clip_val, logger=logger, callbacks=[checkpoint],
+                     enable_checkpointing=True, default_root_dir=str(run_dir))
+
+
+def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, datamodule,
+                    overrides: Sequence[str]) -> dict:
+    """What training.json and the model card say: command, model, data, budget, time, validation."""
+    def plain(node) -> dict:  # a Hydra _target_ node without its underscored keys
+        return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+
+    model = module.model
+    return {
+        "command": " ".join(["python -m experiments.train_assistant", *overrides]),
+        "target_path_name": Path(str(cfg.target.path)).name,
+        "target_path": str(cfg.target.path),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.config.vocab_size,
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "init": ("initialised from the target's embeddings, first layers, final norm and LM head"
+                 if cfg.init_from_target else "random initialisation"),
+        "num_draft_tokens": cfg.num_draft_tokens,
+        "data_dir": str(datamodule.data_dir),
+        "data_generation": OmegaConf.to_container(cfg.data.generation, resolve=True),
+        "train_rows": len(datamodule.train_set),
+        "val_rows": len(datamodule.val_set),
+        "batch_size": datamodule.batch_size,
+        "max_length": datamodule.max_length,
+        "steps": trainer.global_step,
+        "train_response_tokens_seen": _response_tokens_seen(datamodule, trainer.global_step),
+        "optimizer": plain(cfg.optimizer),
+        "scheduler": plain(cfg.scheduler) if cfg.get("scheduler") else None,
+        "wall_time_s": round(module.train_seconds, 1),
+        "machine": f"{os.cpu_count()} CPU cores, no GPU" if not torch.cuda.is_available() else "GPU",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "export_dtype": cfg.export_dtype,
+        "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
+    }
+
+
+def _response_tokens_seen(datamodule, steps: int) -> int:
+    """Response tokens in ``steps`` training batches, from the training rows' mean response length."""
+    rows = datamodule.train_set
+    per_row = [len(rows[i]["input_ids"]) - rows[i]["prompt_len"] for i in range(len(rows))]
+    return int(sum(per_row) / max(len(per_row), 1) * datamodule.batch_size * steps)

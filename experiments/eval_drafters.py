@@ -1,0 +1,115 @@
+"""The drafters ``experiments.evaluate`` can measure, built from ``conf/eval/drafter/<choice>.yaml``.
+
+Each config names one builder here as its ``_target_``; ``experiments.evaluate`` calls it with the
+loaded target (``builder(target=target, **config)``) and gets an :class:`EvalDrafter`: the drafter,
+ready on the target's device and dtype, and the ``drafter`` section of results.json (``name``: the
+report's row, ``kind``, ``path``, ``config``, ``num_parameters``, ``training_run``, ``description``).
+
+* ``block`` (``drafter.path=<dir>``): a block drafter saved by ``experiments.train``;
+* ``prompt_lookup``: n-gram lookup in each row's own tokens (:class:`verify.PromptLookupDrafter`);
+* ``ar_assistant``: a small Hugging Face causal LM drafting autoregressively
+  (:class:`verify.AssistantDrafter`), by default the one shipped in ``experiments/assets/ar_assistant``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from verify.drafter import AssistantDrafter, PromptLookupDrafter, output_vocab_size
+
+
+@dataclass
+class EvalDrafter:
+    """A drafter to evaluate and its description for results.json."""
+
+    drafter: object  # a verify.Drafter
+    info: dict
+
+
+def _target_path(target) -> str:
+    return str(getattr(target, "name_or_path", "") or getattr(target.config, "_name_or_path", ""))
+
+
+def _existing_dir(path: str | Path, what: str) -> Path:
+    directory = Path(str(path)).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"drafter.path={path}: no such directory; give {what}")
+    return directory.resolve()
+
+
+def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
+    """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
+
+    ``name`` = None lets the report name the row by the loss of the training run that saved it.
+    """
+    from drafters.model import BlockDiffusionDrafter
+    from experiments.report import training_run_info
+
+    directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
+    try:
+        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
+    except ValueError as e:
+        raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
+    weight = next(target.parameters())
+    drafter.to(device=weight.device, dtype=weight.dtype).eval()
+    return EvalDrafter(drafter, {
+        "name": name,
+        "kind": "block",
+        "path": str(directory),
+        "config": drafter.config.to_dict(),
+        "num_parameters": sum(p.numel() for p in drafter.parameters()),
+        "training_run": training_run_info(directory.parent),
+        "description": None,
+    })
+
+
+def prompt_lookup(target, num_draft_tokens: int = 15, max_ngram: int = 3, min_ngram: int = 1,
+                  name: str = "prompt_lookup") -> EvalDrafter:
+    """Prompt lookup decoding over each row's own tokens: no model, no training."""
+    drafter = PromptLookupDrafter(output_vocab_size(target), num_draft_tokens, max_ngram, min_ngram)
+    config = {"num_draft_tokens": num_draft_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram}
+    return EvalDrafter(drafter, {
+        "name": name,
+        "kind": "prompt_lookup",
+        "path": None,
+        "config": config,
+        "num_parameters": 0,
+        "training_run": None,
+        "description": f"baseline: copies what followed the latest earlier {max_ngram}..{min_ngram}-gram of the "
+                       f"row's own tokens, K={num_draft_tokens}; no training",
+    })
+
+
+def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_assistant") -> EvalDrafter:
+    """A Hugging Face causal LM with the target's vocabulary drafting K tokens autoregressively.
+
+    Its ``training.json`` (written by ``experiments.train_assistant``), when present, goes to
+    results.json as ``training_run``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    directory = _existing_dir(path, "a Hugging Face causal LM folder (e.g. experiments/assets/ar_assistant)")
+    weight = next(target.parameters())
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=weight.dtype).to(weight.device).eval()
+    model.requires_grad_(False)
+    ours, theirs = output_vocab_size(model), output_vocab_size(target)
+    if ours != theirs:
+        raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: the assistant "
+                         f"outputs {ours} tokens, the target {theirs}")
+    record = directory / "training.json"
+    config = model.config
+    return EvalDrafter(AssistantDrafter(model, num_draft_tokens), {
+        "name": name,
+        "kind": "ar_assistant",
+        "path": str(directory),
+        "config": {"num_draft_tokens": num_draft_tokens, "model_type": config.model_type,
+                   "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                   "vocab_size": ours},
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "training_run": json.loads(record.read_text()) if record.is_file() else None,
+        "description": f"baseline: a {config.num_hidden_layers}-layer causal LM distilled from the target, "
+                       f"drafting K={num_draft_tokens} tokens one forward at a time",
+    })
+

@@ -1,0 +1,132 @@
+"""experiments.train_assistant / experiments.assistant: the ar_assistant baseline's training code path on a
+tiny random target (a few CPU steps), resume, export, and its use through verify.AssistantDrafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train import run_main, save_target
+
+from drafters.data import write_meta, write_shard
+from experiments import assistant as asst
+from experiments import train_assistant
+from verify import AssistantDrafter, speculative_generate, target_generate
+
+PROMPT_LENGTHS = [5, 9, 3, 7, 4, 6, 8, 5, 6, 4, 7, 3]
+NEW = 24
+K = 4
+SMALL_MODEL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
+               "model.num_attention_heads=2", "model.num_key_value_heads=2", "model.max_position_embeddings=512"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A random target and 'regenerated' data: its own greedy answers to random prompts."""
+    from experiments.target import load_target
+
+    root = tmp_path_factory.mktemp("assistant")
+    save_target(root / "target")
+    target, tok = load_target(str(root / "target"))
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for i, n in enumerate(PROMPT_LENGTHS):
+        prompt = torch.randint(3, len(tok), (1, n), generator=generator)
+        answer = target_generate(target, prompt, max_new_tokens=NEW).new_tokens[0]
+        rows.append({"id": f"row{i}", "domain": "code", "input_ids": prompt[0].tolist() + answer, "prompt_len": n})
+    data_dir = root / "data"
+    write_shard(rows, data_dir)
+    write_meta(data_dir, {"complete": True})
+    return {"root": root, "target": target, "data_dir": data_dir, "rows": rows}
+
+
+def _args(env, run_dir, steps):
+    return ["target=hf", f"target.path={env['root'] / 'target'}", f"data.data_dir={env['data_dir']}",
+            "data.datamodule.batch_size=2", "data.datamodule.val_fraction=0.3", *SMALL_MODEL,
+            f"train.max_steps={steps}", "train.val_every=2", "train.checkpoint_every=2", "scheduler.warmup_steps=1",
+            "trainer.enable_progress_bar=false", f"num_draft_tokens={K}", f"hydra.run.dir={run_dir}"]
+
+
+def test_train_export_resume(env, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(env["root"] / "runs"))
+    run_dir = env["root"] / "runs" / "a"
+    run_main(train_assistant, _args(env, run_dir, 4))
+    export = run_dir / "export"
+    meta = json.loads((export / "training.json").read_text())
+    assert meta["steps"] == 4 and meta["resumed_from_step"] is None
+    assert set(meta["val"]) == {"val/ce", "val/acc", "val/tau_greedy"} and 1.0 <= meta["val"]["val/tau_greedy"] <= K + 1
+    assert meta["val_at_start"]["val/ce"] > 0 and meta["train_rows"] + meta["val_rows"] == len(PROMPT_LENGTHS)
+    assert meta["command"].startswith("python -m experiments.train_assistant target=hf")
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md"} <= {p.name for p in export.iterdir()}
+    assert "| cross-entropy (nats/token) |" in (export / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert next(model.parameters()).dtype == torch.float16 and model.config.num_hidden_layers == 1
+    assert model.config.vocab_size == env["target"].config.vocab_size
+
+    run_main(train_assistant, _args(env, run_dir, 6))  # the same command with a larger budget resumes
+    meta = json.loads((export / "training.json").read_text())
+    assert meta["steps"] == 6 and meta["resumed_from_step"] == 4
+    assert (run_dir / "logs" / "metrics.before-step-4.csv").is_file()
+
+    # The exported assistant drafts through the exact verifier: identical to greedy target decoding.
+    target = env["target"]
+    drafter = AssistantDrafter(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval(), K)
+    prompt = torch.tensor([env["rows"][0]["input_ids"][: PROMPT_LENGTHS[0]]])
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=NEW)
+    assert out.new_tokens == target_generate(target, prompt, max_new_tokens=NEW).new_tokens
+
+
+def test_init_from_target_and_errors(env):
+    target = env["target"]
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "max_position_embeddings": 512}
+    model = asst.build_assistant(target, small)
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, target.state_dict()[name]), name
+    assert model.config.eos_token_id == target.config.eos_token_id
+    assert not torch.equal(asst.build_assistant(target, small, init_from_target=False).model.embed_tokens.weight,
+                           target.model.embed_tokens.weight)
+    with pytest.raises(ValueError, match="init_from_target"):
+        asst.build_assistant(target, {**small, "hidden_size": 48, "intermediate_size": 96})
+
+
+def test_response_labels_and_leading_correct():
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]), "prompt_len": torch.tensor([2, 1]),
+             "length": torch.tensor([5, 3])}
+    labels, mask = asst.response_labels(batch)
+    assert labels.tolist() == [[2, 3, 4, 5], [7, 8, 0, 0]]
+    assert mask.tolist() == [[False, True, True, True], [True, True, False, False]]
+    assert asst.leading_correct([True, True, False, True, True, True], limit=2) == [2, 1, 0, 2, 2, 1, 0]
+
+
+def test_replayed_tau_is_the_online_tau(env):
+    """On the target's greedy answers, val/tau_greedy equals speculative_generate's τ at T=0, row by row."""
+    from drafters.data import collate
+    from drafters.module import greedy_walk
+
+    target = env["target"]
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "max_position_embeddings": 512}
+    torch.manual_seed(0)
+    model = asst.build_assistant(target, small).eval()  # the target's first layer: often right, often wrong
+    module = asst.AssistantLM(model, optimizer=None, num_draft_tokens=K)
+    module.on_validation_epoch_start()
+    batch = collate(env["rows"], pad_token_id=0)
+    with torch.no_grad():
+        module.validation_step(batch, 0)
+    online_kept = online_steps = 0
+    for row in env["rows"]:
+        prompt = torch.tensor([row["input_ids"][: row["prompt_len"]]])
+        out = speculative_generate(target, AssistantDrafter(model, K), prompt, max_new_tokens=NEW)
+        assert out.new_tokens[0] == row["input_ids"][row["prompt_len"]:]
+        labels, _ = asst.response_labels(collate([row]))
+        correct = (model(input_ids=collate([row])["input_ids"]).logits[:, :-1].argmax(-1) == labels)[0].tolist()
+        accepted, _ = greedy_walk(asst.leading_correct(correct, K), row["prompt_len"], len(row["input_ids"]))
+        assert accepted == out.accepted_counts[0]
+        online_kept += out.num_new_tokens
+        online_steps += out.num_target_forwards
+    assert module._val["kept"] == online_kept and module._val["steps"] == online_steps
+    assert 1.0 < online_kept / online_steps < K + 1

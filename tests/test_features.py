@@ -1,0 +1,113 @@
+"""drafters.features: the cached target features equal the target's hidden states, resume after a
+kill, refuse other settings, and a training step on them equals one that runs the target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_target
+from test_module import make_module
+
+from drafters.data import RegenDataModule, collate, write_meta, write_shard
+from drafters.features import FeatureStore, compute_features, ensure_features, features_dir
+
+VOCAB = 64
+LAYERS = (1, 2)
+
+
+def make_rows(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        rows.append({"id": f"r/{i}", "domain": "code", "input_ids": ids, "prompt_len": 3})
+    return rows
+
+
+def reference(target, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i][0] for i in LAYERS], dim=-1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", vocab_size=VOCAB, hidden_size=64, init_range=0.2)
+
+
+def test_cached_rows_equal_the_targets_hidden_states(target, tmp_path):
+    rows = [r["input_ids"] for r in make_rows(7)]
+    root = compute_features(target, rows, tmp_path / "f", target_layer_ids=LAYERS, dtype="float32",
+                            batch_size=3, rows_per_part=2, progress=False)
+    store = FeatureStore(root)
+    assert len(store) == 7 and len(list(root.glob("part-*.offsets.npy"))) == 4
+    for i, ids in enumerate(rows):  # batched with right padding, read back from 4 parts
+        torch.testing.assert_close(store[i], reference(target, ids), atol=1e-5, rtol=1e-4)
+
+
+def test_float16_cache_and_max_length(target, tmp_path):
+    rows = [r["input_ids"] for r in make_rows(3)]
+    store = FeatureStore(compute_features(target, rows, tmp_path / "f", target_layer_ids=LAYERS,
+                                          max_length=5, progress=False))
+    assert store[0].shape == (5, 2 * 64) and store[0].dtype == torch.float32
+    torch.testing.assert_close(store[1], reference(target, rows[1][:5]), atol=2e-2, rtol=1e-2)
+
+
+def test_killed_computation_resumes_to_the_same_cache(target, tmp_path):
+    rows = [r["input_ids"] for r in make_rows(6)]
+    whole = compute_features(target, rows, tmp_path / "a", target_layer_ids=LAYERS, rows_per_part=2,
+                             progress=False)
+    partial = compute_features(target, rows, tmp_path / "b", target_layer_ids=LAYERS, rows_per_part=2,
+                               progress=False)
+    for name in ("part-00002.npy", "part-00002.offsets.npy"):  # as if killed before the last part
+        (partial / name).unlink()
+    meta = json.loads((partial / "meta.json").read_text())
+    (partial / "meta.json").write_text(json.dumps({**meta, "complete": False}))
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        FeatureStore(partial)
+    compute_features(target, rows, partial, target_layer_ids=LAYERS, rows_per_part=2, progress=False)
+    a, b = FeatureStore(whole), FeatureStore(partial)
+    assert all(torch.equal(a[i], b[i]) for i in range(6))
+
+
+def test_other_settings_are_refused(target, tmp_path):
+    rows = [r["input_ids"] for r in make_rows(2)]
+    root = compute_features(target, rows, tmp_path / "f", target_layer_ids=LAYERS, progress=False)
+    with pytest.raises(ValueError, match="other settings.*target_layer_ids"):
+        compute_features(target, rows, root, target_layer_ids=(1,), progress=False)
+    (root / "part-00000.npy").write_bytes((root / "part-00000.npy").read_bytes()[:200])
+    with pytest.raises(ValueError, match="part-00000.npy"):
+        FeatureStore(root)
+
+
+def test_training_step_on_cached_features_equals_a_target_forward(target, tmp_path):
+    """Same loss and same drafter gradients, whether the context comes from the cache or the target."""
+    data_dir = tmp_path / "regen"
+    write_shard(make_rows(8), data_dir)
+    write_meta(data_dir, {"complete": True})
+    module = make_module(target)
+    layers = module.drafter.target_layer_ids
+    root = ensure_features(target, data_dir, layers, dtype="float32", max_length=16, progress=False)
+    assert root == features_dir(data_dir, layers, "float32", 16)
+    dm = RegenDataModule(str(data_dir), batch_size=4, max_length=16, val_fraction=0.0, features_dir=str(root))
+    dm.setup("fit")
+    batch = collate([dm.train_set[i] for i in range(4)])
+    assert batch["features"].shape[:2] == batch["input_ids"].shape
+
+    def step(b):
+        module.drafter.zero_grad()
+        states, logits = module.context_states(b, full_logits=False)
+        out = module._blocks(b, states, logits, torch.Generator().manual_seed(0))
+        loss, _ = module.loss(*out)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in module.drafter.parameters()]
+
+    cached_loss, cached_grads = step(batch)
+    plain = {k: v for k, v in batch.items() if k != "features"}
+    live_loss, live_grads = step(plain)
+    torch.testing.assert_close(cached_loss, live_loss, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cached_grads, live_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

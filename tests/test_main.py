@@ -1,0 +1,38 @@
+"""experiments.main: the stage list (commands only; every stage is tested through its own entry point)."""
+
+from __future__ import annotations
+
+from hydra import compose, initialize_config_module
+
+from experiments import main as main_job
+
+
+def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}", "target_choice=tiny"])
+    calls = []
+
+    def fake_stage(name, module, overrides, log):
+        calls.append((name, module, overrides))
+        log["stages"].append({"stage": name, "seconds": 0.0})
+        if module == "experiments.report":
+            (tmp_path / "report").mkdir()
+            (tmp_path / "report" / "report.md").write_text("table\n")
+
+    monkeypatch.setattr(main_job, "stage", fake_stage)
+    log = main_job.run(cfg)
+    names = [c[0] for c in calls]
+    assert names == ["regenerate", "train uniform", "evaluate uniform", "train l2r_all", "evaluate l2r_all",
+                     "evaluate prompt_lookup", "evaluate ar_assistant", "report"]
+    assert [s["stage"] for s in log["stages"]] == names  # a time per stage
+    by_name = {c[0]: c[2] for c in calls}
+    evaluate_overrides = list(cfg.evaluate_overrides)
+    for baseline in ("prompt_lookup", "ar_assistant"):
+        args = by_name[f"evaluate {baseline}"]
+        assert f"drafter={baseline}" in args and not any(a.startswith("drafter.path=") for a in args)
+        assert args[-len(evaluate_overrides) - 1:-1] == evaluate_overrides
+        assert args[-1] == f"hydra.run.dir={tmp_path}/eval/{baseline}"
+    assert by_name["evaluate uniform"][1] == f"drafter.path={tmp_path}/train/uniform/drafter"
+    report_args = by_name["report"]
+    assert report_args[:4] == [str(tmp_path / "eval" / n) for n in ("uniform", "l2r_all", "prompt_lookup",
+                                                                   "ar_assistant")]
