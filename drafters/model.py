@@ -153,11 +153,18 @@ def target_final_norm_weight(target: nn.Module) -> torch.Tensor | None:
 def default_target_layer_ids(
     num_hidden_layers: int, max_layers: int = MAX_DEFAULT_TARGET_LAYERS
 ) -> tuple[int, ...]:
-    """Up to ``max_layers`` indices into the hidden_states tuple spread evenly over layers 1..L."""
-    n = max(1, min(max_layers, num_hidden_layers))
+    """Up to ``max_layers`` indices into the hidden_states tuple spread evenly over layers 1..L-1.
+
+    The last state (index L) is left out: Hugging Face returns it after the final norm, and serving
+    engines that capture layer inputs (vLLM) cannot produce it, so a drafter reading it could not be
+    served. On the tiny target, layers (1..5) and (1, 2, 4, 5, 6) train alike (slot-1 accuracy 0.225
+    vs 0.231 after 200 steps). A one-layer target has only its final state to offer.
+    """
+    last = max(1, num_hidden_layers - 1)
+    n = max(1, min(max_layers, last))
     if n == 1:
-        return (num_hidden_layers,)
-    step = (num_hidden_layers - 1) / (n - 1)
+        return (last,)
+    step = (last - 1) / (n - 1)
     return tuple(sorted({round(1 + i * step) for i in range(n)}))
 
 
@@ -308,6 +315,41 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attn_norm(x))
 
 
+# Drafter layer parameter -> the same parameter of a Llama/Qwen-style target decoder layer.
+_TARGET_LAYER_NAMES = {
+    "input_norm.weight": "input_layernorm.weight",
+    "post_attn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn.{n}_proj.{w}": f"self_attn.{n}_proj.{w}" for n in "qkvo" for w in ("weight", "bias")},
+    **{f"attn.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"},
+    **{f"mlp.{n}_proj.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")},
+}
+
+
+def copy_target_layers(drafter: nn.Module, target: nn.Module) -> int:
+    """Warm start: drafter layer i <- the target's decoder layer i (its first layers), where names and
+    shapes match (a Llama target has no q/k norm: those keep their init). Block slots enter as token
+    embeddings, the input the target's first layers were trained on. Returns the tensors copied."""
+    base = getattr(target, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or len(layers) < len(drafter.layers):
+        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {len(drafter.layers)} "
+                         f"decoder layers at target.model.layers; {type(target).__name__} has none or fewer")
+    copied = 0
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            theirs = dict(layers[i].named_parameters())
+            for name, param in layer.named_parameters():
+                source = theirs.get(_TARGET_LAYER_NAMES.get(name, ""))
+                if source is None:
+                    continue
+                if source.shape != param.shape:
+                    raise ValueError(f"init_layers_from_target: drafter layers.{i}.{name} {tuple(param.shape)} "
+                                     f"!= target layer {i} {tuple(source.shape)}")
+                param.copy_(source.float())
+                copied += 1
+    return copied
+
+
 # --------------------------------------------------------------------------------------------------
 # The drafter
 
@@ -362,6 +404,7 @@ class BlockDiffusionDrafter(nn.Module):
         target_layer_ids: Sequence[int] | None = None,
         mask_token_id: int | None = None,
         init_from: str | Path | None = None,
+        init_layers_from_target: bool = False,
         **overrides: Any,
     ) -> BlockDiffusionDrafter:
         """A freshly initialised drafter sized from ``target.config`` and attached to ``target``.
@@ -371,6 +414,8 @@ class BlockDiffusionDrafter(nn.Module):
 
         ``init_from``: a saved drafter (blockdraft or DFlash format) to start from instead of a fresh
         initialisation; see :func:`_from_checkpoint` for how the other arguments apply then.
+        ``init_layers_from_target``: start the drafter's layers as copies of the target's first
+        layers (:func:`copy_target_layers`) instead of random weights.
         """
         if init_from is not None:
             return _from_checkpoint(cls, target, init_from, block_size=block_size, num_layers=num_layers,
@@ -406,6 +451,8 @@ class BlockDiffusionDrafter(nn.Module):
         with torch.no_grad():
             if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
                 drafter.norm.weight.copy_(final_norm.float())
+        if init_layers_from_target:
+            copy_target_layers(drafter, target)
         return drafter
 
     def attach_target(self, target: nn.Module) -> BlockDiffusionDrafter:
@@ -484,7 +531,10 @@ class BlockDiffusionDrafter(nn.Module):
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"drafter directory {directory} has no {name}")
-        raw = json.loads((directory / CONFIG_NAME).read_text())
+        from drafters.locks import check_safetensors, read_json
+
+        raw = read_json(directory / CONFIG_NAME, "drafter config")  # a damaged file is named
+        check_safetensors(directory / WEIGHTS_NAME)
         if "architectures" in raw or "dflash_config" in raw:  # a HF-style config: the DFlash format
             from drafters.dflash import load_dflash
 

@@ -292,7 +292,7 @@ def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, da
         "init": ("initialised from the target's embeddings, first layers, final norm and LM head"
                  if cfg.init_from_target else "random initialisation"),
         "num_draft_tokens": cfg.num_draft_tokens,
-        "data_dir": str(datamodule.data_dir),
+        "data_dir": str(datamodule.data_dir).replace(str(Path.home()), "~"),  # no machine paths in the card
         "data_generation": OmegaConf.to_container(cfg.data.generation, resolve=True),
         "train_rows": len(datamodule.train_set),
         "val_rows": len(datamodule.val_set),

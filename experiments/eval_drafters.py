@@ -47,9 +47,13 @@ def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
     from drafters.model import BlockDiffusionDrafter
     from experiments.report import training_run_info
 
+    from drafters.locks import DamagedFileError, file_digest
+
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
         drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
+    except DamagedFileError:
+        raise  # names the damaged file: not a mismatch with the target
     except ValueError as e:
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())
@@ -59,6 +63,7 @@ def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
         "kind": "block",
         "path": str(directory),
         "config": drafter.config.to_dict(),
+        "weights_sha256": file_digest(sorted(directory.glob("*.safetensors"))),  # results resume only for these
         "num_parameters": sum(p.numel() for p in drafter.parameters()),
         "training_run": training_run_info(directory.parent),
         "description": None,
@@ -90,7 +95,11 @@ def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_
     """
     from transformers import AutoModelForCausalLM
 
+    from drafters.locks import check_safetensors, file_digest
+
     directory = _existing_dir(path, "a Hugging Face causal LM folder (e.g. experiments/assets/ar_assistant)")
+    for weights in sorted(directory.glob("*.safetensors")):
+        check_safetensors(weights)
     weight = next(target.parameters())
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=weight.dtype).to(weight.device).eval()
     model.requires_grad_(False)
@@ -107,6 +116,7 @@ def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_
         "config": {"num_draft_tokens": num_draft_tokens, "model_type": config.model_type,
                    "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                    "vocab_size": ours},
+        "weights_sha256": file_digest(sorted(directory.glob("*.safetensors"))),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "training_run": json.loads(record.read_text()) if record.is_file() else None,
         "description": f"baseline: a {config.num_hidden_layers}-layer causal LM distilled from the target, "

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -315,10 +316,21 @@ def describe_target(target, path: str) -> dict:
     return {**target_fingerprint(target.config), "path": str(path)}
 
 
+def suite_digests(suites: Mapping[str, Sequence[Prompt]]) -> dict[str, str]:
+    """Per suite, a sha256 of its prompts' ids and turns (what a resumed entry must have answered)."""
+    return {name: hashlib.sha256(json.dumps([[p.id, list(p.turns)] for p in prompts]).encode()).hexdigest()
+            for name, prompts in suites.items()}
+
+
 def check_resumable(previous: dict, current: dict, path: Path) -> None:
-    """Refuse to resume a results.json written with another drafter, target or generation settings."""
+    """Refuse to resume a results.json written with another drafter (config or weights: the content hash
+    of its safetensors), target, suite prompts or generation settings."""
     diffs = []
-    for section, keys in (("settings", GENERATION_KEYS), ("target", None), ("drafter", ("config",))):
+    answered = sorted(set(previous.get("results") or {}) & set(current.get("suites") or {}))  # suites to resume
+    for section, keys in (("settings", GENERATION_KEYS), ("target", None),
+                          ("drafter", ("kind", "config", "weights_sha256")), ("suites", answered)):
+        if section == "suites" and not keys:
+            continue
         old, new = previous.get(section) or {}, current.get(section) or {}
         for k in keys or sorted(set(old) | set(new)):
             if old.get(k) != new.get(k):
@@ -369,13 +381,25 @@ def run(cfg: DictConfig) -> dict:
         "drafter": built.info,
         "target": describe_target(target, cfg.target.path),
         "git_commit": git_commit(),
+        "suites": suite_digests(suites),
         "results": {},
     }
     results_path = Path(cfg.results_path)
     if results_path.is_file():
-        previous = json.loads(results_path.read_text())
-        check_resumable(previous, doc, results_path)
+        from drafters.locks import read_json
+
+        previous = read_json(results_path, "results file")
+        try:
+            check_resumable(previous, doc, results_path)
+        except ValueError as e:
+            if not cfg.get("redo_if_changed", False):
+                raise
+            aside = results_path.with_name(f"{results_path.stem}.replaced-{time.strftime('%Y%m%d-%H%M%S')}.json")
+            results_path.rename(aside)  # kept, not lost: the drafter changed since (e.g. trained further)
+            print(f"[evaluate] {e}\n[evaluate] evaluating again; the old results moved to {aside}", flush=True)
+            previous = {}
         doc["results"] = previous.get("results", {})
+        doc["suites"] = {**(previous.get("suites") or {}), **doc["suites"]}
         finished = [f"{s}/{k}" for s, v in doc["results"].items() for k in v]
         print(f"[evaluate] resuming {results_path}: {len(finished)} finished ({', '.join(finished)})", flush=True)
 
@@ -423,6 +447,7 @@ def evaluate_training_run(cfg: DictConfig) -> dict:
                     "name": None},
         "paths": {"run_dir": str(run_dir)},
         "results_path": str(run_dir / "results.json"),
+        "redo_if_changed": True,  # the drafter was (re)trained: old results of other weights are redone
     })
     return run(eval_cfg)
 

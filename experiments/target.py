@@ -30,6 +30,12 @@ def load_target(path: str, dtype: str = "float32", device: str = "cpu", trust_re
         if local.resolve() == TINY_TARGET_DIR.resolve():
             hint = " (the embedded target is trained by `python -m experiments.train_target target=tiny`)"
         raise FileNotFoundError(f"target.path={path}: no Hugging Face model (config.json) there{hint}")
+    if looks_local:  # a damaged file is named before transformers reads it
+        from drafters.locks import check_safetensors, read_json
+
+        read_json(local / "config.json", "target config")
+        for weights in sorted(local.glob("*.safetensors")):
+            check_safetensors(weights)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = AutoModelForCausalLM.from_pretrained(
         str(local if looks_local else path), dtype=torch_dtype, trust_remote_code=trust_remote_code

@@ -34,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import experiments.regenerate  # also registers the ${settings_hash:...} resolver
 from drafters import data as regen
-from drafters.features import ensure_features
+from drafters import locks
+from drafters.features import ensure_features, features_dir as features_folder
 
 
 def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
@@ -97,7 +98,7 @@ def export_drafter(checkpoint: Path, drafter_class, out_dir: Path) -> None:
     """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it."""
     from drafters.model import DrafterConfig
 
-    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    ckpt = locks.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     drafter = drafter_class(DrafterConfig.from_dict(ckpt["drafter_config"]))
     drafter.load_state_dict(state, strict=True)
@@ -123,18 +124,96 @@ def build(cfg: DictConfig):
     features = cfg.data.get("features") or {}
     features_dir = None
     if features.get("enabled") and not getattr(module.loss, "soft", False):  # soft losses need logits
-        features_dir = ensure_features(target, cfg.data.data_dir, drafter.target_layer_ids, dtype=features.dtype,
-                                       max_length=cfg.data.datamodule.max_length, batch_size=features.batch_size)
+        folder = features_folder(cfg.data.data_dir, drafter.target_layer_ids, features.dtype,
+                                 cfg.data.datamodule.max_length)
+        with locks.hold(folder, "feature cache", wait=True):  # one job computes it, the others wait
+            features_dir = ensure_features(target, cfg.data.data_dir, drafter.target_layer_ids, dtype=features.dtype,
+                                           max_length=cfg.data.datamodule.max_length,
+                                           batch_size=features.batch_size)
     datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad,
                                          features_dir=None if features_dir is None else str(features_dir))
     return target, tokenizer, module, datamodule
 
 
+# What a resumed run must share with the run it continues (dotted prefixes of the resolved config);
+# the budget (train.max_steps and what follows from it) may change, as may what does not change the
+# optimisation (logging, validation cadence, threads, trainer, evaluation).
+RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "scheduler", "seed",
+               "train.gradient_clip_val", "train.accumulate_grad_batches")
+RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
+               "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
+               "data.datamodule.max_val_samples")
+FINGERPRINT = "run_settings.json"
+# train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
+TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
+                 ("accumulate_grad_batches", (int,), 1), ("gradient_clip_val", (int, float, type(None)), 0),
+                 ("limit_val_batches", (int, float, type(None)), 0))
+
+
+def check_train_numbers(cfg: DictConfig) -> None:
+    """Name the key of a train.* setting that is not a number of the right kind (e.g. ``max_steps=abc``)."""
+    for key, kinds, low in TRAIN_NUMBERS:
+        value = cfg.train.get(key)
+        if isinstance(value, bool) or not isinstance(value, kinds) or (value is not None and value < low):
+            want = "an integer" if kinds == (int,) else "a number or null"
+            raise ValueError(f"train.{key} must be {want} >= {low}, got {value!r}")
+
+
+def _flatten(obj, prefix: str) -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: obj}
+
+
+def run_fingerprint(cfg: DictConfig) -> dict:
+    """The settings a resumed run must keep (:data:`RESUME_KEYS` minus :data:`RESUME_FREE`), flat."""
+    full = _flatten(OmegaConf.to_container(cfg, resolve=True), "")
+    keep = {k: v for k, v in full.items() if any(k == p or k.startswith(p + ".") for p in RESUME_KEYS)}
+    return {k: v for k, v in sorted(keep.items())
+            if not any(k == p or k.startswith(p + ".") for p in RESUME_FREE)}
+
+
+def check_resume_settings(run_dir: Path, cfg: DictConfig) -> None:
+    """Refuse to resume a run trained with other loss/drafter/data/optimiser settings, naming them."""
+    path = run_dir / FINGERPRINT
+    if not path.is_file():
+        return  # a run from before fingerprints: accepted, and fingerprinted now
+    saved = locks.read_json(path, "run settings")
+    old, new = saved.get("settings", {}), run_fingerprint(cfg)
+    choices = {k: (v, _choices().get(k)) for k, v in (saved.get("choices") or {}).items() if v != _choices().get(k)}
+    diffs = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
+             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diffs:
+        raise ValueError(f"{run_dir} was trained with other settings; a resumed run keeps its loss, drafter, data "
+                         f"and optimiser settings (only the budget, train.max_steps, may change)"
+                         + "".join(f" ({k}: {a} -> {b})" for k, (a, b) in choices.items()) + ". Differences "
+                         f"(saved -> now): {'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. "
+                         "Choose another name=, or resume=false after deleting the run")
+
+
 def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_train_numbers(cfg)
+    if getattr(rank_zero_only, "rank", 0) != 0:  # DDP workers: rank 0 owns the run dir
+        return _run(cfg, run_dir)
+    with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
+        return _run(cfg, run_dir)
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict:
     if OmegaConf.is_missing(cfg, "name"):
         cfg.name = run_dir.name  # the default name is the run dir's (see conf/train.yaml)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if last.exists() and not cfg.resume:
+        raise FileExistsError(f"{last} exists and resume=false: choose another name= or delete {run_dir}")
+    saved = None
+    if last.exists():  # everything checked before anything on disk changes
+        check_resume_settings(run_dir, cfg)
+        saved = int(locks.read_checkpoint(last)["global_step"])
     L.seed_everything(cfg.seed, workers=True)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -144,10 +223,9 @@ def run(cfg: DictConfig) -> dict:
     datamodule.setup("fit")  # fails early on an empty or missing dataset
 
     ckpt_dir = run_dir / "checkpoints"
-    last = ckpt_dir / "last.ckpt"
-    if last.exists() and not cfg.resume:
-        raise FileExistsError(f"{last} exists and resume=false: choose another name= or delete {run_dir}")
-    resume = last.exists()
+    resume = saved is not None
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     tc = cfg.train
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=tc.checkpoint_every
@@ -173,7 +251,7 @@ def run(cfg: DictConfig) -> dict:
     )
     if tc.validate_first and not resume:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the untrained drafter, step 0
-    first_step = int(torch.load(last, map_location="cpu", weights_only=True)["global_step"]) if resume else 0
+    first_step = saved if resume else 0
     start = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
     train_seconds = time.time() - start
@@ -212,6 +290,15 @@ def run(cfg: DictConfig) -> dict:
 
             evaluate_training_run(cfg)  # writes <run dir>/results.json
     return summary
+
+
+def _choices() -> dict:
+    """The config group choices of the resumable sections (``loss: uniform``), for messages."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    return {k: v for k, v in HydraConfig.get().runtime.choices.items() if k in ("target", "drafter", "loss", "data")}
 
 
 def _overrides() -> list[str]:

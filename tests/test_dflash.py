@@ -176,7 +176,7 @@ def test_parameter_names_round_trip():
 # ---- generation: the reference's dflash_generate against verify.speculative_generate ---------------
 
 
-def trained_drafter(target, prompts: torch.Tensor, block_size: int = 6, steps: int = 20):
+def trained_drafter(target, prompts: torch.Tensor, block_size: int = 6, steps: int = 40):
     """A drafter fitted (plain CE, every anchor) to the target's greedy answers to ``prompts``, so that
     speculative decoding of those prompts accepts blocks of every length 0..K."""
     sequences = target_generate(target, prompts, max_new_tokens=40).sequences

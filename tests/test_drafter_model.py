@@ -65,11 +65,12 @@ def _run_target(target, ids):
 
 
 def test_default_target_layer_ids():
-    assert default_target_layer_ids(1) == (1,)
-    assert default_target_layer_ids(2) == (1, 2)
-    assert default_target_layer_ids(4) == (1, 2, 3, 4)
-    ids = default_target_layer_ids(32)
-    assert len(ids) == 5 and ids[0] == 1 and ids[-1] == 32 and list(ids) == sorted(set(ids))
+    assert default_target_layer_ids(1) == (1,)  # only the final state exists
+    assert default_target_layer_ids(2) == (1,)
+    assert default_target_layer_ids(4) == (1, 2, 3)
+    assert default_target_layer_ids(6) == (1, 2, 3, 4, 5)
+    ids = default_target_layer_ids(32)  # never the post-norm final state 32
+    assert len(ids) == 5 and ids[0] == 1 and ids[-1] == 31 and list(ids) == sorted(set(ids))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

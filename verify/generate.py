@@ -107,11 +107,23 @@ def _pad_id(target, pad_token_id, eos: torch.Tensor) -> int:
     return int(eos[0]) if eos.numel() else 0
 
 
+class _NoClock:
+    """The default step clock: records nothing."""
+
+    def lap(self, name: str) -> None:
+        pass
+
+    def next_step(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def _decode(
-    target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator
+    target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator,
+    clock=None,
 ) -> _Decoded:
     start = time.perf_counter()
+    clock = clock if clock is not None else _NoClock()
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
     num_drafts = drafter.num_draft_tokens if drafter is not None else 0
@@ -147,6 +159,8 @@ def _decode(
     if drafter is not None:
         drafter.reset(batch_size)
         drafter.extend(input_ids[:, :-1], mask, prefix_pos, hidden)
+    clock.lap("prefill")
+    clock.next_step()
 
     anchor = input_ids[:, -1]  # (B,)
     anchor_pos = attention_mask.sum(dim=1) - 1  # (B,)
@@ -170,6 +184,7 @@ def _decode(
             width = min(num_drafts, int(remaining.max()))
             drafts = drafts[:, :width].long()
             q = q[:, :width] if q is not None else None
+            clock.lap("draft")
         else:
             width = 0
             drafts, q = anchor.new_zeros(live, 0), None
@@ -178,11 +193,13 @@ def _decode(
         block_mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # (B, C + W + 1)
         logits, hidden = run_target(block, block_mask, anchor_pos.unsqueeze(1) + slots)
         num_forwards += 1
+        clock.lap("target_forward")
         if temperature == 0:  # same result as verify_block on one-hot p, without sampling
             num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)
         else:
             p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
             num_accepted, next_token = verify_block(drafts, q, p, generator)  # (B,), (B,)
+        clock.lap("verify")
 
         # Emitted tokens d_1..d_n, next; truncated at the first EOS and at the row's budget.
         emitted = torch.cat([drafts, drafts.new_zeros(live, 1)], dim=1)  # (B, W + 1)
@@ -199,6 +216,7 @@ def _decode(
         for i, row in enumerate(rows):
             new_tokens[row].extend(emitted_list[i][: kept_list[i]])
             accepted_counts[row].append(accepted_list[i])
+        clock.lap("bookkeeping")
 
         if bool(done.any()):
             keep_idx = torch.nonzero(~done).flatten()  # (B',)
@@ -211,18 +229,23 @@ def _decode(
             mask, anchor_pos, remaining = mask[keep_idx], anchor_pos[keep_idx], remaining[keep_idx]
             block, num_accepted, next_token = block[keep_idx], num_accepted[keep_idx], next_token[keep_idx]
             hidden = tuple(h[keep_idx] for h in hidden) if hidden is not None else None
+            clock.lap("select_rows")
 
         # Keep columns [anchor, d_1..d_n], n = the largest accepted count among live rows.
         n = int(num_accepted.max())
         cache.crop(n - width)
         new_mask = (slots[: n + 1] <= num_accepted.unsqueeze(1)).long()  # (B, n + 1)
         new_pos = anchor_pos.unsqueeze(1) + slots[: n + 1]  # (B, n + 1)
+        clock.lap("crop")
         if drafter is not None:
             hidden = tuple(h[:, : n + 1] for h in hidden) if hidden is not None else None
             drafter.extend(block[:, : n + 1], new_mask, new_pos, hidden)
+            clock.lap("drafter_extend")
         mask = torch.cat([mask, new_mask], dim=1)
         anchor = next_token
         anchor_pos = anchor_pos + num_accepted + 1
+        clock.lap("bookkeeping")
+        clock.next_step()
     return _Decoded(new_tokens, accepted_counts, num_forwards, time.perf_counter() - start)
 
 

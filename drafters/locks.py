@@ -1,0 +1,249 @@
+"""Folders owned by one process at a time, and files checked before they are trusted.
+
+Locks. A folder (a regenerated data dir, a feature cache, a training run dir) is owned through
+``<folder>/.lock``: an ``flock`` on that file plus its contents, ``{"pid", "host", "since", "argv"}``,
+which name the owner in messages. The kernel drops the ``flock`` when its process dies, so a lock
+left behind by a killed job is free: the next job takes it over and says whose it was. Released
+locks are emptied, never deleted (deleting a locked file lets two processes lock two different
+files of the same name). One process may take the same lock again (nested ``with``): it is counted.
+
+* :func:`hold` with ``wait=False`` refuses (:class:`FolderBusyError`, naming the owner's pid, host
+  and start time) when another process owns the folder;
+* ``wait=True`` waits (polling, one message) until the owner is done, then owns it.
+
+Damaged files. :func:`read_json`, :func:`check_safetensors` and :func:`read_checkpoint` raise
+:class:`DamagedFileError` naming the file (never advising to load it unsafely).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK_NAME = ".lock"
+
+
+class FolderBusyError(RuntimeError):
+    """Another live process owns the folder."""
+
+
+class DamagedFileError(ValueError):
+    """A file exists but cannot be read as what it should be (truncated, garbage)."""
+
+
+_held: dict[str, tuple[int, int]] = {}  # resolved lock path -> (fd, depth) in this process
+
+
+def _read_owner(path: Path) -> dict:
+    try:
+        text = path.read_text()
+        return json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_owner(owner: dict) -> str:
+    if not owner:
+        return "another process (owner unknown)"
+    return f"pid {owner.get('pid')} on host {owner.get('host')} since {owner.get('since')}"
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+def _try_lock(path: Path) -> tuple[int | None, dict]:
+    """``(fd, previous owner)`` when the lock was taken, ``(None, owner)`` when someone holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None, _read_owner(path)
+    previous = _read_owner(path)
+    # A live process of this host still named there: the file system ignores flock; trust the pid.
+    if previous and previous.get("host") == socket.gethostname() and previous.get("pid") != os.getpid() \
+            and _pid_alive(previous.get("pid")) and not previous.get("released"):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        return None, previous
+    return fd, previous
+
+
+def acquire(folder: str | Path, what: str = "folder", *, wait: bool = False, poll_s: float = 1.0,
+            timeout_s: float | None = None) -> Path:
+    """Own ``folder`` (created if missing); see the module docstring. Returns the lock file."""
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    key = str(path.resolve())
+    if key in _held:
+        fd, depth = _held[key]
+        _held[key] = (fd, depth + 1)
+        return path
+    start, told = time.monotonic(), False
+    while True:
+        fd, owner = _try_lock(path)
+        if fd is not None:
+            break
+        if not wait:
+            raise FolderBusyError(f"{what} {folder} is in use by {describe_owner(owner)} (lock {path}); "
+                                  "wait for that job to finish or stop it, or use another folder")
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"gave up after {timeout_s:.0f} s waiting for {what} {folder}, "
+                               f"in use by {describe_owner(owner)} (lock {path})")
+        if not told:
+            print(f"[lock] {what} {folder} is in use by {describe_owner(owner)}: waiting for it to finish",
+                  file=sys.stderr, flush=True)
+            told = True
+        time.sleep(poll_s)
+    if owner and not owner.get("released") and owner.get("pid") != os.getpid():
+        state = "dead" if owner.get("host") == socket.gethostname() and not _pid_alive(owner.get("pid")) \
+            else "gone"
+        print(f"[lock] {what} {folder}: taking over the lock of {describe_owner(owner)} ({state}; "
+              "killed before it finished)", file=sys.stderr, flush=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(),
+          "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "argv": sys.argv[:8]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    _held[key] = (fd, 1)
+    return path
+
+
+def release(folder: str | Path) -> None:
+    """Give up one hold on ``folder`` (the last one frees it)."""
+    path = Path(folder).expanduser() / LOCK_NAME
+    key = str(path.resolve())
+    if key not in _held:
+        return
+    fd, depth = _held[key]
+    if depth > 1:
+        _held[key] = (fd, depth - 1)
+        return
+    del _held[key]
+    try:
+        owner = _read_owner(path)
+        os.ftruncate(fd, 0)
+        if owner:
+            os.pwrite(fd, (json.dumps({**owner, "released": True}) + "\n").encode(), 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def hold(folder: str | Path, what: str = "folder", *, wait: bool = False, poll_s: float = 1.0,
+         timeout_s: float | None = None) -> Iterator[Path]:
+    """``with hold(folder, "data folder", wait=True):`` own ``folder`` for the block."""
+    path = acquire(folder, what, wait=wait, poll_s=poll_s, timeout_s=timeout_s)
+    try:
+        yield path
+    finally:
+        release(folder)
+
+
+def owner(folder: str | Path) -> dict:
+    """The current owner's record of ``folder`` ({} when free)."""
+    info = _read_owner(Path(folder).expanduser() / LOCK_NAME)
+    return {} if info.get("released") else info
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+def read_json(path: str | Path, what: str = "JSON file") -> dict:
+    """``json.loads`` of a file, or :class:`DamagedFileError` naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedFileError(f"{what} {path} is damaged (not valid JSON: {e}); restore or re-create it") from e
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Refuse a truncated or garbage ``.safetensors`` file (header and sizes checked, not the values)."""
+    path = Path(path)
+    size = path.stat().st_size
+    reason = None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                reason = f"{size} bytes, shorter than the header"
+            else:
+                n = struct.unpack("<Q", head)[0]
+                if n > size - 8:
+                    reason = f"the header claims {n} bytes, the file has {size}"
+                else:
+                    header = json.loads(f.read(n))
+                    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                              default=0)
+                    if 8 + n + end > size:
+                        reason = f"the tensors need {8 + n + end} bytes, the file has {size} (truncated)"
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        reason = f"unreadable header ({type(e).__name__})"
+    if reason:
+        raise DamagedFileError(f"weights file {path} is damaged: {reason}; restore or re-create it")
+
+
+def read_checkpoint(path: str | Path, required: Sequence[str] = ("state_dict", "global_step")) -> dict:
+    """A Lightning checkpoint loaded with ``weights_only=True``, or :class:`DamagedFileError` naming it."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError,
+            AttributeError, ImportError, KeyError, IndexError) as e:
+        raise DamagedFileError(f"checkpoint {path} cannot be read ({type(e).__name__}): the file is damaged "
+                               f"(e.g. written by a job killed mid-save). Move it away to start the run over, "
+                               f"or restore it; nothing in the run was changed") from None
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise DamagedFileError(f"checkpoint {path} lacks {missing}: not a checkpoint of this trainer, or "
+                               "damaged; move it away to start the run over")
+    return ckpt
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write ``obj`` as JSON to a temporary file beside ``path``, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def file_digest(paths: Sequence[str | Path]) -> str:
+    """sha256 over the names and bytes of ``paths`` (the content hash of a model's weights)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(p) for p in paths):
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+__all__ = ["DamagedFileError", "FolderBusyError", "acquire", "check_safetensors", "describe_owner",
+           "file_digest", "hold", "owner", "read_checkpoint", "read_json", "release",
+           "write_json_atomic"]

@@ -1,0 +1,160 @@
+"""Benchmark: how fast a block drafter learns, on cached target features, for diagnosis.
+
+    python -m experiments.bench_learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
+        [--layers 1] [--block-size 16] [--num-anchors 32] [--target-layer-ids 1 2 3 4 5]
+        [--init current|first_wave] [--overfit] [--out runs/bench_learning.json]
+
+A plain loop (AdamW, warmup + cosine, uniform CE, gradient clipping at 1.0), no Lightning: the
+drafter from :meth:`drafters.BlockDiffusionDrafter.from_target`, the context from the feature cache
+of :mod:`drafters.features` (computed on first use), anchors from :func:`drafters.data.sample_anchors`.
+Every ``--eval-every`` steps it records, on the validation split (or the training batch with
+``--overfit``): CE, top-1 accuracy per slot, and the teacher-forced greedy τ over every response
+anchor (on greedy self-distilled data the data's tokens are the target's greedy tokens, so this τ is
+the online T=0 τ; DESIGN.md §4), plus the mean gradient norms of the context path (``fuse``) and
+the drafter layers. ``--init first_wave`` rebuilds the first wave's initialisation (weights std
+0.02, output norm = the target's final norm / sqrt(H)) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from drafters import BlockDiffusionDrafter
+from drafters.data import collate, load_regenerated, sample_anchors, split_by_id
+from drafters.features import FeatureStore, ensure_features
+from drafters.model import target_final_norm_weight
+from experiments.target import TINY_TARGET_DIR, load_target
+
+
+def first_wave_init(drafter: BlockDiffusionDrafter, target) -> None:
+    """The first wave's initialisation (collapsed; DESIGN.md §6), to reproduce the diagnosis."""
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, 0.02)
+        drafter.norm.weight.copy_(target_final_norm_weight(target).float() * drafter.config.hidden_size ** -0.5)
+
+
+def rows_of(data, indices, store, max_length):
+    return [{"input_ids": data[i]["input_ids"][:max_length], "prompt_len": data[i]["prompt_len"],
+             "features": store[i]} for i in indices
+            if min(len(data[i]["input_ids"]), max_length) > data[i]["prompt_len"] + 1]
+
+
+@torch.no_grad()
+def evaluate(drafter, rows, chunk: int = 64) -> dict:
+    """CE, per-slot accuracy and the teacher-forced greedy τ over every response anchor."""
+    k_slots = drafter.config.block_size - 1
+    correct, count = torch.zeros(k_slots), torch.zeros(k_slots)
+    ce_sum, kept, steps = 0.0, 0, 0
+    for s in range(0, len(rows), 8):
+        b = collate(rows[s: s + 8])
+        lo, length = b["prompt_len"], b["length"]
+        lead = torch.zeros(len(lo), b["input_ids"].shape[1] + 1, dtype=torch.long)
+        for c in range(0, int((length - lo).max()), chunk):
+            j = torch.arange(c, min(c + chunk, int((length - lo).max())))
+            amask = j[None] < (length - lo)[:, None]
+            anchors = (lo[:, None] - 1 + j).masked_fill(~amask, 0)
+            logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"])
+            labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])
+            ok = (logits.argmax(-1) == labels) & mask
+            correct, count = correct + ok.sum((0, 1)), count + mask.sum((0, 1))
+            ce_sum += F.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
+            lead.scatter_(1, anchors.masked_fill(~amask, lead.shape[1] - 1), ok.long().cumprod(-1).sum(-1))
+        for r in range(len(lo)):  # replay greedy verification: accept lead[a], move by lead[a] + 1
+            a, n = int(lo[r]) - 1, int(length[r])
+            while a < n - 1:
+                step = min(int(lead[r, a]) + 1, n - 1 - a)
+                kept, steps, a = kept + step, steps + 1, a + step
+    acc = correct / count.clamp(min=1)
+    return {"ce": ce_sum / max(float(count.sum()), 1.0), "acc_slot": [round(x, 4) for x in acc.tolist()],
+            "acc_mean": float(correct.sum() / count.sum().clamp(min=1)), "tau": kept / max(steps, 1)}
+
+
+def train(args, target, train_rows, val_rows) -> list[dict]:
+    torch.manual_seed(args.seed)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
+                                                target_layer_ids=args.target_layer_ids)
+    if args.init == "first_wave":
+        first_wave_init(drafter, target)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warm = max(1, args.warmup)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warm if s < warm else
+                                                 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, args.steps - warm))))
+    generator, order, curve, norms, start = torch.Generator().manual_seed(args.seed), [], [], [], time.time()
+    for step in tqdm(range(args.steps + 1), desc="bench_learning", unit="step"):
+        if step % args.eval_every == 0 or step == args.steps:
+            point = {"step": step, "seconds": round(time.time() - start, 1), **evaluate(drafter, val_rows)}
+            if norms:
+                point["grad_norm_fuse"], point["grad_norm_layers"] = (sum(x) / len(norms) for x in zip(*norms))
+            curve.append(point)
+            norms = []
+            tqdm.write(json.dumps({k: v for k, v in point.items() if k != "acc_slot"} | {"acc_slot1": point["acc_slot"][0]}))
+        if step == args.steps:
+            return curve
+        if len(order) < args.batch_size:
+            order += torch.randperm(len(train_rows), generator=generator).tolist()
+        b = collate([train_rows[order.pop()] for _ in range(args.batch_size)])
+        anchors, amask = sample_anchors(b["prompt_len"], b["length"], args.num_anchors, generator)
+        logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"])
+        labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])
+        loss = F.cross_entropy(logits[mask], labels[mask])
+        optimizer.zero_grad()
+        loss.backward()
+        layers = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in drafter.layers.parameters() if p.grad is not None))
+        norms.append((float(drafter.fuse.weight.grad.norm()), layers))
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="a regenerated data dir (experiments.regenerate)")
+    p.add_argument("--target", default=str(TINY_TARGET_DIR))
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-anchors", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    p.add_argument("--init", choices=["current", "first_wave"], default="current")
+    p.add_argument("--overfit", action="store_true", help="train and evaluate on one fixed batch")
+    p.add_argument("--train-rows", type=int, default=None, help="use only the first N training rows")
+    p.add_argument("--val-rows", type=int, default=24)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="runs/bench_learning.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target)[0]
+    layer_ids = args.target_layer_ids or BlockDiffusionDrafter.from_target(target).target_layer_ids
+    store = FeatureStore(ensure_features(target, args.data_dir, layer_ids, max_length=args.max_length))
+    data = load_regenerated(args.data_dir)
+    train_idx, val_idx = split_by_id(data["id"], 0.05)
+    train_rows = rows_of(data, train_idx[: args.train_rows], store, args.max_length)
+    val_rows = train_rows[: args.batch_size] if args.overfit else rows_of(data, val_idx[: args.val_rows], store,
+                                                                          args.max_length)
+    if args.overfit:
+        train_rows = val_rows
+    curve = train(args, target, train_rows, val_rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "train_rows": len(train_rows), "curve": curve}, indent=1) + "\n")
+    print(f"[bench_learning] wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Cost of one speculative step, part by part, against one target-only step (greedy, CPU or GPU).
+
+Profiles the real decoding loop (:mod:`experiments.step_profile`) on the embedded tiny target with
+a randomly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (random weights cost
+what trained ones do) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
+prompts of about 200 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
+first ``--skip`` steps, the prefill and the last step are left out. Parts: ``draft`` (of which
+``draft_logits``: the drafter's forward), ``target_forward`` (of which ``lm_head``), ``verify``,
+``bookkeeping`` (emitted tokens, EOS and budget, the Python lists), ``select_rows``, ``crop`` (KV
+cache crop and the new columns' mask), ``drafter_extend``. The break-even τ is the speculative
+step's cost over the target-only step's.
+
+Then end to end: greedy tokens/s of speculative decoding (same drafters, and with
+``--confidence`` thresholds the confidence-truncated drafts) and of target-only decoding on the same
+prompts, interleaved, with τ and the break-even τ = τ / speedup. A random drafter has τ ≈ 1; pass
+``--drafter DIR`` for a trained one.
+
+``--label`` names the run inside ``--out``; runs under other labels already in the file are kept,
+so ``--label before`` and ``--label after`` on two versions of the code end up side by side.
+
+    python -m experiments.bench_step --label after --out experiments/results/bench/bench_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from experiments.step_profile import break_even, end_to_end, profile_steps
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=None, help="Hugging Face model folder (default: the embedded tiny target)")
+    parser.add_argument("--drafter", default=None, help="a saved drafter for the end-to-end part (default: random)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8])
+    parser.add_argument("--num-layers", type=int, default=1, help="layers of the random drafter")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[185, 215], metavar=("MIN", "MAX"),
+                        help="HumanEval prompts whose encoded length lies in this range")
+    parser.add_argument("--single-prompts", type=int, default=2, help="prompts profiled one by one at batch 1")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens per row of a profiled decode")
+    parser.add_argument("--skip", type=int, default=4, help="first steps of a decode left out of the profile")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the step profile")
+    parser.add_argument("--e2e-prompts", type=int, default=16, help="prompts of the end-to-end part (0: skip it)")
+    parser.add_argument("--e2e-batch-sizes", type=int, nargs="+", default=[8, 1])
+    parser.add_argument("--e2e-single-prompts", type=int, default=4, help="prompts of the batch-1 end-to-end runs")
+    parser.add_argument("--e2e-new-tokens", type=int, default=64)
+    parser.add_argument("--e2e-rounds", type=int, default=3)
+    parser.add_argument("--confidence", type=float, nargs="*", default=[],
+                        help="also run end to end with drafts truncated at these top-1 probability thresholds")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="run", help="name of this run inside --out")
+    parser.add_argument("--out", default="runs/bench_step.json")
+    return parser.parse_args(argv)
+
+
+def humaneval_prompts(tokenizer, low: int, high: int) -> list[list[int]]:
+    """Chat-templated HumanEval prompts of ``low..high`` tokens, shortest first (ties by id)."""
+    from experiments.suites import encode_prompt, load_humaneval
+
+    encoded = [(encode_prompt(tokenizer, p.turns[:1], []), p.id) for p in load_humaneval()]
+    chosen = sorted((len(ids), pid, ids) for ids, pid in encoded if low <= len(ids) <= high)
+    if not chosen:
+        raise ValueError(f"no HumanEval prompt has {low}..{high} tokens")
+    return [ids for _, _, ids in chosen]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def make_batches(prompts, batch_size: int, count: int, pad_id: int, device) -> list:
+    """``count`` prompts (cycled if fewer) in batches of ``batch_size``."""
+    chosen = [prompts[i % len(prompts)] for i in range(count)]
+    return [left_pad(chosen[i: i + batch_size], pad_id, device) for i in range(0, count, batch_size)]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from drafters.model import BlockDiffusionDrafter
+    from experiments.target import TINY_TARGET_DIR, load_target
+
+    device = torch.device(args.device)
+    target, tokenizer = load_target(args.target or str(TINY_TARGET_DIR), device=args.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    drafters = {}
+    for block_size in args.block_sizes:
+        torch.manual_seed(args.seed)
+        drafters[f"spec_K{block_size - 1}"] = BlockDiffusionDrafter.from_target(
+            target, block_size=block_size, num_layers=args.num_layers).to(device).eval()
+    prompts = humaneval_prompts(tokenizer, *args.prompt_tokens)
+
+    # ---- one step, part by part
+    batches = {}
+    for batch_size in args.batch_sizes:
+        count = args.single_prompts if batch_size == 1 else batch_size
+        batches[f"batch_{batch_size}"] = make_batches(prompts, batch_size, count, pad_id, device)
+    variants = {"target": None, **drafters}
+    steps = profile_steps(target, variants, batches, args.max_new_tokens, args.rounds, args.skip)
+    for summary in steps.values():
+        summary["break_even_tau"] = break_even(summary)
+
+    # ---- end to end
+    e2e = {}
+    if args.e2e_prompts > 0:
+        e2e_variants = dict(drafters)
+        if args.drafter is not None:
+            trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device).eval()
+            e2e_variants = {f"trained_K{trained.num_draft_tokens}": trained}
+        for threshold in args.confidence:
+            for name, drafter in list(e2e_variants.items()):
+                if getattr(drafter, "confidence_threshold", None) is None and "@" not in name:
+                    e2e_variants[f"{name}@{threshold:g}"] = _with_threshold(drafter, threshold)
+        for batch_size in args.e2e_batch_sizes:
+            count = args.e2e_single_prompts if batch_size == 1 else args.e2e_prompts
+            e2e[f"batch_{batch_size}"] = end_to_end(
+                target, e2e_variants, make_batches(prompts, batch_size, count, pad_id, device),
+                args.e2e_new_tokens, args.e2e_rounds)
+
+    run = {
+        "config": vars(args),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "device": str(device)},
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "drafter_params": {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()},
+        "prompt_tokens": {b: [int(m.sum(1).max()) for _, m in bs] for b, bs in batches.items()},
+        "step": steps,
+        "end_to_end": e2e,
+    }
+    out_path = Path(args.out)
+    results = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    results.setdefault("runs", {})[args.label] = run
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(format_table(run))
+    print(f"wrote {out_path} (run {args.label!r})")
+    return run
+
+
+def _with_threshold(drafter, threshold: float):
+    """A copy of ``drafter`` (sharing its weights and target) that truncates drafts at ``threshold``."""
+    import copy
+
+    clone = copy.copy(drafter)
+    clone.confidence_threshold = threshold
+    return clone
+
+
+def format_table(run: dict) -> str:
+    lines = []
+    for batch, summary in run["step"].items():
+        names = [n for n in summary if n != "break_even_tau"]
+        parts = sorted({k for n in names for k in summary[n] if k.endswith("_ms")})
+        lines.append(f"\n{batch}: ms per step (median)")
+        lines.append("part".ljust(22) + "".join(n.rjust(12) for n in names))
+        for part in parts:
+            lines.append(part[:-3].ljust(22) + "".join(f"{summary[n].get(part, 0.0):12.2f}" for n in names))
+        lines.append("break-even tau".ljust(22) + "".rjust(12)
+                     + "".join(f"{summary['break_even_tau'][n]:12.2f}" for n in names[1:]))
+    for batch, result in run["end_to_end"].items():
+        lines.append(f"\nend to end, {batch}: target {result['target']['tokens_per_s']:.1f} tok/s")
+        for name, r in result.items():
+            if name != "target":
+                lines.append(f"  {name}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}, speedup "
+                             f"{r['speedup']:.3f}, break-even tau {r['break_even_tau']:.2f}, "
+                             f"identical {r['identical_to_target']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
