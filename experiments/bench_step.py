@@ -110,6 +110,7 @@ def main(argv=None) -> dict:
     steps = profile_steps(target, variants, batches, args.max_new_tokens, args.rounds, args.skip)
     for summary in steps.values():
         summary["break_even_tau"] = break_even(summary)
+        summary["break_even_tau_cpu"] = break_even(summary, key="total_cpu_ms")
 
     # ---- end to end
     e2e = {}
@@ -157,23 +158,29 @@ def _with_threshold(drafter, threshold: float):
     return clone
 
 
-def format_table(run: dict) -> str:
+def format_table(run: dict, suffix: str = "cpu_ms") -> str:
+    """The per-part table (ms of CPU time by default) and the end-to-end lines."""
     lines = []
     for batch, summary in run["step"].items():
-        names = [n for n in summary if n != "break_even_tau"]
-        parts = sorted({k for n in names for k in summary[n] if k.endswith("_ms")})
-        lines.append(f"\n{batch}: ms per step (median)")
-        lines.append("part".ljust(22) + "".join(n.rjust(12) for n in names))
+        names = [n for n in summary if not n.startswith("break_even")]
+        parts = sorted({k[: -len(suffix) - 1] for n in names for k in summary[n] if k.endswith("_" + suffix)
+                        and not k.endswith("_cpu_" + suffix)})
+        lines.append(f"\n{batch}: {suffix} per step (median)")
+        lines.append("part".ljust(26) + "".join(n.rjust(14) for n in names))
         for part in parts:
-            lines.append(part[:-3].ljust(22) + "".join(f"{summary[n].get(part, 0.0):12.2f}" for n in names))
-        lines.append("break-even tau".ljust(22) + "".rjust(12)
-                     + "".join(f"{summary['break_even_tau'][n]:12.2f}" for n in names[1:]))
+            lines.append(part.ljust(26) + "".join(f"{summary[n].get(f'{part}_{suffix}', 0.0):14.2f}" for n in names))
+        key = "break_even_tau_cpu" if suffix == "cpu_ms" else "break_even_tau"
+        lines.append("break-even tau".ljust(26) + "".rjust(14)
+                     + "".join(f"{summary[key].get(n, float('nan')):14.2f}" for n in names[1:]))
     for batch, result in run["end_to_end"].items():
-        lines.append(f"\nend to end, {batch}: target {result['target']['tokens_per_s']:.1f} tok/s")
+        base = result["target"]
+        lines.append(f"\nend to end, {batch}: target {base['tokens_per_s']:.1f} tok/s "
+                     f"({base['tokens_per_cpu_s']:.1f} per CPU s)")
         for name, r in result.items():
             if name != "target":
                 lines.append(f"  {name}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}, speedup "
-                             f"{r['speedup']:.3f}, break-even tau {r['break_even_tau']:.2f}, "
+                             f"{r['speedup']:.3f} (CPU {r['speedup_cpu']:.3f}), break-even tau "
+                             f"{r['break_even_tau']:.2f} (CPU {r['break_even_tau_cpu']:.2f}), "
                              f"identical {r['identical_to_target']}")
     return "\n".join(lines)
 

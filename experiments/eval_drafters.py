@@ -44,10 +44,9 @@ def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
     """
+    from drafters.locks import DamagedFileError, file_digest
     from drafters.model import BlockDiffusionDrafter
     from experiments.report import training_run_info
-
-    from drafters.locks import DamagedFileError, file_digest
 
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:

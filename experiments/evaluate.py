@@ -401,7 +401,9 @@ def run(cfg: DictConfig) -> dict:
         doc["results"] = previous.get("results", {})
         doc["suites"] = {**(previous.get("suites") or {}), **doc["suites"]}
         finished = [f"{s}/{k}" for s, v in doc["results"].items() for k in v]
-        print(f"[evaluate] resuming {results_path}: {len(finished)} finished ({', '.join(finished)})", flush=True)
+        if finished:
+            print(f"[evaluate] resuming {results_path}: {len(finished)} finished ({', '.join(finished)})",
+                  flush=True)
 
     logger = hydra.utils.instantiate(cfg.logger)
     for suite, entries in doc["results"].items():  # a restarted CSV logger starts a fresh file: log them again

@@ -8,7 +8,10 @@ same target and data settings would), builds the target (``target``), the drafte
 
 The run directory is fixed by ``name`` (default ``<target>-<loss>-s<seed>``), so a killed run started
 again with the same command resumes from ``checkpoints/last.ckpt`` (same step, optimizer and
-scheduler state); ``resume=false`` refuses to and starts over. It ends up holding
+scheduler state) when the loss, drafter, data and optimiser settings are those saved in
+``run_settings.json`` (only ``train.max_steps`` may change; otherwise it refuses, naming the
+differences); ``resume=false`` refuses to resume. One process owns the run dir at a time
+(``<run dir>/.lock``, :mod:`drafters.locks`): a second job of the same name refuses. It ends up holding
 
 * ``drafter/``: the trained drafter (``BlockDiffusionDrafter.from_pretrained(dir, target=...)``);
 * ``checkpoints/last.ckpt``: drafter weights (never the target) and training state;
@@ -35,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 import experiments.regenerate  # also registers the ${settings_hash:...} resolver
 from drafters import data as regen
 from drafters import locks
-from drafters.features import ensure_features, features_dir as features_folder
+from drafters.features import ensure_features
+from drafters.features import features_dir as features_folder
 
 
 def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
@@ -191,7 +195,7 @@ def check_resume_settings(run_dir: Path, cfg: DictConfig) -> None:
                          f"and optimiser settings (only the budget, train.max_steps, may change)"
                          + "".join(f" ({k}: {a} -> {b})" for k, (a, b) in choices.items()) + ". Differences "
                          f"(saved -> now): {'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. "
-                         "Choose another name=, or resume=false after deleting the run")
+                         f"Choose another name=, or delete {run_dir} to start over")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -253,7 +257,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the untrained drafter, step 0
     first_step = saved if resume else 0
     start = time.time()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
+    import inspect  # checked above with weights_only=True: Lightning loads it the same (safe) way
+
+    safe = {"weights_only": True} if resume and "weights_only" in inspect.signature(trainer.fit).parameters else {}
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, **safe)
     train_seconds = time.time() - start
     trainer.save_checkpoint(str(last))
     if trainer.global_step % tc.val_every != 0 or trainer.global_step == first_step:

@@ -81,7 +81,7 @@ def test_from_target_reads_sizes(arch):
     assert (cfg.hidden_size, cfg.num_heads, cfg.vocab_size, cfg.block_size, cfg.num_layers) == (32, 4, VOCAB, 5, 2)
     assert cfg.num_kv_heads == {"llama": 2, "qwen2": 1, "gpt2": 4}[arch]
     assert cfg.rope_theta == {"llama": 50000.0, "qwen2": 10000.0, "gpt2": 10000.0}[arch]
-    assert cfg.target_layer_ids == (1, 2, 3)
+    assert cfg.target_layer_ids == (1, 2)  # 1..L-1 of a 3-layer target
     assert cfg.mask_token_id == VOCAB - 1
     assert cfg.target_fingerprint == {"model_type": arch, "vocab_size": VOCAB, "hidden_size": 32,
                                       "num_hidden_layers": 3}

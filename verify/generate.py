@@ -11,6 +11,8 @@ EOS or ``max_new_tokens``.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -108,7 +110,7 @@ def _pad_id(target, pad_token_id, eos: torch.Tensor) -> int:
 
 
 class _NoClock:
-    """The default step clock: records nothing."""
+    """The default step clock: records nothing (:mod:`experiments.step_profile` passes one that does)."""
 
     def lap(self, name: str) -> None:
         pass
@@ -117,10 +119,132 @@ class _NoClock:
         pass
 
 
+@functools.cache
+def _growing_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys/values are views of a buffer with spare columns.
+
+        ``DynamicLayer.update`` concatenates, which copies the layer's whole cache at every step; here
+        an update writes the new columns in place and ``crop`` only moves the end, so a step costs
+        what it appends. A full buffer grows by a quarter (at least ``reserve`` columns).
+        """
+
+        def __init__(self, reserve: int = 0):
+            super().__init__()
+            self.reserve = reserve
+            self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+            self._length = 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self._buffers, self._length = None, 0
+
+        def _set_views(self) -> None:
+            self.keys = self._buffers[0][..., : self._length, :]
+            self.values = self._buffers[1][..., : self._length, :]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._length, self._length + key_states.shape[-2]
+            if self._buffers is None or end > self._buffers[0].shape[-2]:
+                capacity = end + max(self.reserve, end // 4, 16)
+                grown = []
+                for old, states in zip(self._buffers or (None, None), (key_states, value_states)):
+                    buffer = states.new_empty(*states.shape[:-2], capacity, states.shape[-1])
+                    if old is not None and start > 0:
+                        buffer[..., :start, :] = old[..., :start, :]
+                    grown.append(buffer)
+                self._buffers = (grown[0], grown[1])
+            self._buffers[0][..., start:end, :] = key_states
+            self._buffers[1][..., start:end, :] = value_states
+            self._length = end
+            self._set_views()
+            return self.keys, self.values
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            if self.is_initialized and self._buffers is not None:
+                self._length = self.keys.shape[-2]
+
+        def reset(self) -> None:
+            super().reset()
+            self._buffers, self._length = None, 0
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized and self._buffers is not None:
+                self._buffers = (self._buffers[0][indices], self._buffers[1][indices])
+                self._set_views()
+
+    return GrowingLayer
+
+
+def _new_cache(target, reserve: int):
+    """:func:`verify.drafter.new_kv_cache` with its full-attention layers appending in place
+    (see ``GrowingLayer``); caches of other layouts (older transformers) are returned as they are."""
+    cache = new_kv_cache(target)
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list) and layers:
+        from transformers.cache_utils import DynamicLayer
+
+        growing = _growing_layer_class()
+        cache.layers = [growing(reserve) if type(layer) is DynamicLayer else layer for layer in layers]
+    return cache
+
+
+def _is_plain_head(head, logits: torch.Tensor, final: torch.Tensor) -> bool:
+    """Whether ``logits`` (B, V) are ``head(final)`` for final hidden states (B, H): no logit scaling or
+    soft-capping after the output embedding, so the verifier may apply the head itself."""
+    mine = head(final).float()
+    ref = logits.float()
+    if mine.shape != ref.shape:
+        return False
+    return bool(torch.allclose(mine, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max()))))
+
+
+def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, H) -> (B,), (B,)
+    """:func:`verify_greedy` with the LM head applied only where the result can depend on it.
+
+    A row that kept n drafts needs the target's argmax at block positions 0..n only. The head runs
+    on positions [0, first) of every row, then, for the rows that accepted every draft so far, on
+    chunks twice as long (each chunk starting at the last position of the previous one), until no
+    row is still accepting. Each chunk is verified by :func:`verify_greedy`, so the result is the
+    one :func:`verify_greedy` gives on the full logits.
+    """
+    batch, width = drafts.shape
+
+    def logits(states):  # (b, L, H) -> (b, L, V), the head on a contiguous 2-D copy (a faster matmul)
+        b, length, size = states.shape
+        return head(states.reshape(b * length, size)).view(b, length, -1)
+
+    num_accepted = drafts.new_zeros(batch)
+    next_token = drafts.new_zeros(batch)
+    rows = None  # None = every row
+    start, size = 0, max(1, first)
+    while True:
+        end = min(start + size, width + 1)
+        if rows is None:
+            n, token = verify_greedy(drafts[:, start : end - 1], logits(final[:, start:end]))
+            num_accepted, next_token = n + start, token
+        else:
+            n, token = verify_greedy(drafts[rows, start : end - 1], logits(final[rows, start:end]))
+            num_accepted[rows], next_token[rows] = n + start, token
+        if end == width + 1:
+            break
+        still = n == end - 1 - start  # accepted every draft of the chunk: the next ones matter
+        if not bool(still.any()):
+            break
+        rows = (torch.arange(batch, device=drafts.device) if rows is None else rows)[still]
+        start, size = end - 1, 2 * size
+    return num_accepted, next_token
+
+
 @torch.inference_mode()
 def _decode(
     target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator,
-    clock=None,
+    clock=None, lazy_head: bool | None = None,
 ) -> _Decoded:
     start = time.perf_counter()
     clock = clock if clock is not None else _NoClock()
@@ -130,6 +254,13 @@ def _decode(
     layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
     want_hidden = len(layer_ids) > 0
     position_limit = max_positions(target)
+    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    # The greedy verifier applies the LM head itself, lazily, where the target's logits are plain
+    # head(final hidden state): checked on the prefill's logits below.
+    if lazy_head is None:
+        lazy_head = device.type == "cpu"
+    lazy = bool(lazy_head) and temperature == 0 and drafter is not None and head is not None and prompt_len > 1
+    no_logits = torch.zeros(0, dtype=torch.long, device=device)  # logits_to_keep: none
 
     def run_target(ids, mask, positions, **kwargs):  # (B, n), (B, C + n), (B, n)
         if position_limit is not None:
@@ -140,19 +271,22 @@ def _decode(
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            output_hidden_states=want_hidden,
+            output_hidden_states=want_hidden or lazy,
             **kwargs,
         )
         hidden = tuple(out.hidden_states[i] for i in layer_ids) if want_hidden else None
-        return out.logits, hidden
+        final = out.hidden_states[-1] if lazy else None
+        return out.logits, hidden, final
 
     # Prefill x_1..x_{t-1}; x_t is every row's anchor (the prompt is left-padded).
-    cache = new_kv_cache(target)
+    cache = _new_cache(target, reserve=max_new_tokens + num_drafts + 1)
     mask = attention_mask[:, :-1]  # (B, C) the target cache's columns: 1 committed, 0 hole
     prefix_pos = (mask.cumsum(dim=1) - 1).clamp_min(0)  # (B, C)
     hidden = None
     if prompt_len > 1:
-        _, hidden = run_target(input_ids[:, :-1], mask, prefix_pos, logits_to_keep=1)
+        logits, hidden, final = run_target(input_ids[:, :-1], mask, prefix_pos, logits_to_keep=1)
+        if lazy:
+            lazy = final is not None and _is_plain_head(head, logits[:, -1], final[:, -1])
     elif want_hidden:
         width = target.config.get_text_config().hidden_size
         hidden = tuple(torch.zeros(batch_size, 0, width, device=device) for _ in layer_ids)
@@ -166,8 +300,12 @@ def _decode(
     anchor_pos = attention_mask.sum(dim=1) - 1  # (B,)
     rows = list(range(batch_size))  # original index of each live row
     remaining = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)  # (B,)
+    remaining_list = [max_new_tokens] * batch_size
     new_tokens: list[list[int]] = [[] for _ in range(batch_size)]
     accepted_counts: list[list[int]] = [[] for _ in range(batch_size)]
+    all_slots = torch.arange(num_drafts + 1, device=device)  # (K + 1,)
+    check_eos = eos.numel() > 0
+    accepted_mean = 1.0  # running mean of the drafts kept per row: the lazy head's first chunk
     num_forwards = 0
     while rows:
         live = len(rows)
@@ -175,26 +313,36 @@ def _decode(
             drafts, q = drafter.draft(
                 anchor, anchor_pos, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
             )
-            if drafts.shape != (live, num_drafts) or (q is not None and q.shape[:2] != (live, num_drafts)):
+            # A drafter may return fewer than K drafts (the same number for every row), e.g. when it
+            # is unsure of the later ones: verifying a prefix of the drafts is still exact.
+            if (drafts.ndim != 2 or drafts.shape[0] != live or drafts.shape[1] > num_drafts
+                    or (q is not None and q.shape[:2] != drafts.shape)):
                 raise ValueError(
                     f"drafter returned tokens {tuple(drafts.shape)} / q {None if q is None else tuple(q.shape)}; "
-                    f"expected ({live}, {num_drafts}) tokens and ({live}, {num_drafts}, V) q"
+                    f"expected ({live}, <= {num_drafts}) tokens and the same leading shape for q (B, K, V)"
                 )
             # No row can keep more than `remaining` tokens: verifying more drafts is wasted work.
-            width = min(num_drafts, int(remaining.max()))
+            width = min(drafts.shape[1], max(remaining_list))
             drafts = drafts[:, :width].long()
             q = q[:, :width] if q is not None else None
             clock.lap("draft")
         else:
             width = 0
             drafts, q = anchor.new_zeros(live, 0), None
-        slots = torch.arange(width + 1, device=device)  # (W + 1,)
+        slots = all_slots[: width + 1]  # (W + 1,)
         block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)  # (B, W + 1) [anchor, d_1..d_W]
         block_mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # (B, C + W + 1)
-        logits, hidden = run_target(block, block_mask, anchor_pos.unsqueeze(1) + slots)
+        positions = anchor_pos.unsqueeze(1) + slots  # (B, W + 1)
+        if lazy:
+            _, hidden, final = run_target(block, block_mask, positions, logits_to_keep=no_logits)
+        else:
+            logits, hidden, _ = run_target(block, block_mask, positions)
         num_forwards += 1
         clock.lap("target_forward")
-        if temperature == 0:  # same result as verify_block on one-hot p, without sampling
+        if lazy:
+            first = min(width + 1, 2 + math.ceil(accepted_mean))
+            num_accepted, next_token = _verify_greedy_lazy(drafts, final, head, first)  # (B,), (B,)
+        elif temperature == 0:  # same result as verify_block on one-hot p, without sampling
             num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)
         else:
             p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
@@ -205,24 +353,34 @@ def _decode(
         emitted = torch.cat([drafts, drafts.new_zeros(live, 1)], dim=1)  # (B, W + 1)
         emitted.scatter_(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
         kept = torch.minimum(num_accepted + 1, remaining)  # (B,)
-        is_eos = torch.isin(emitted, eos) & (slots <= num_accepted.unsqueeze(1))  # (B, W + 1)
-        first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), width + 1)  # (B,)
-        kept = torch.minimum(kept, first_eos + 1)
-        done = (kept == remaining) | (first_eos < kept)  # (B,)
+        if check_eos:
+            is_eos = torch.isin(emitted, eos) & (slots <= num_accepted.unsqueeze(1))  # (B, W + 1)
+            first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), width + 1)  # (B,)
+            kept = torch.minimum(kept, first_eos + 1)
+            done = (kept == remaining) | (first_eos < kept)  # (B,)
+        else:
+            done = kept == remaining
         remaining = remaining - kept
-
-        emitted_list, kept_list = emitted.tolist(), kept.tolist()
-        accepted_list = torch.minimum(num_accepted, kept).tolist()
+        # One transfer to the host per step: kept, kept drafts, done, accepted drafts per row.
+        kept_list, counted_list, done_list, accepted_list = torch.stack(
+            [kept, torch.minimum(num_accepted, kept), done.long(), num_accepted]
+        ).tolist()
+        emitted_list = emitted.tolist()
         for i, row in enumerate(rows):
             new_tokens[row].extend(emitted_list[i][: kept_list[i]])
-            accepted_counts[row].append(accepted_list[i])
+            accepted_counts[row].append(counted_list[i])
+        accepted_mean = 0.7 * accepted_mean + 0.3 * sum(accepted_list) / live
+        remaining_list = [r - k for r, k in zip(remaining_list, kept_list)]
         clock.lap("bookkeeping")
 
-        if bool(done.any()):
-            keep_idx = torch.nonzero(~done).flatten()  # (B',)
-            rows = [rows[i] for i in keep_idx.tolist()]
+        if any(done_list):
+            keep = [i for i, d in enumerate(done_list) if not d]
+            rows = [rows[i] for i in keep]
             if not rows:
                 break
+            remaining_list = [remaining_list[i] for i in keep]
+            accepted_list = [accepted_list[i] for i in keep]
+            keep_idx = torch.tensor(keep, dtype=torch.long, device=device)  # (B',)
             cache.batch_select_indices(keep_idx)
             if drafter is not None:
                 drafter.select_rows(keep_idx)
@@ -232,7 +390,7 @@ def _decode(
             clock.lap("select_rows")
 
         # Keep columns [anchor, d_1..d_n], n = the largest accepted count among live rows.
-        n = int(num_accepted.max())
+        n = max(accepted_list)
         cache.crop(n - width)
         new_mask = (slots[: n + 1] <= num_accepted.unsqueeze(1)).long()  # (B, n + 1)
         new_pos = anchor_pos.unsqueeze(1) + slots[: n + 1]  # (B, n + 1)
