@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -350,6 +351,36 @@ def copy_target_layers(drafter: nn.Module, target: nn.Module) -> int:
     return copied
 
 
+def _draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int, mask, skip_anchor: bool):
+    """:meth:`DrafterLayer.forward` for one block per row at inference (x (B, N, H), N = block size).
+
+    The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
+    ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
+    the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1,
+    start + N) is shared by all slots. With ``skip_anchor`` (the last layer) the queries, the MLP
+    and the returned states are slots 1..N-1 only: no head reads the anchor slot's output.
+    """
+    attn = layer.attn
+    h = layer.input_norm(x)
+    k, v = attn.key_value(h, cos, sin)  # (B, h_kv, N, d)
+    end = start + x.shape[1]
+    k_buffer[:, :, start:end] = k
+    v_buffer[:, :, start:end] = v
+    keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
+    if skip_anchor:
+        h, x, cos, sin = h[:, 1:].contiguous(), x[:, 1:], cos[:, 1:], sin[:, 1:]
+    q = attn._heads(attn.q_proj(h), attn.num_heads)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    q = apply_rope(q, cos, sin)  # (B, h, N', d)
+    groups = attn.num_heads // attn.num_kv_heads
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, h, N', d)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+    return x + layer.mlp(layer.post_attn_norm(x))
+
+
 # --------------------------------------------------------------------------------------------------
 # The drafter
 
@@ -663,13 +694,55 @@ class BlockDiffusionDrafter(nn.Module):
     # ---- inference (the verify.drafter.Drafter protocol) -----------------------------------------
     # The cache holds, per drafter layer, the rotated keys/values of every column appended so far
     # (holes included, masked out by _cache_mask). Context features are the same in every layer, so
-    # these never need recomputing: a draft step only runs the B block slots.
+    # these never need recomputing: a draft step only runs the B block slots. Keys, values and the
+    # column mask live in buffers with spare columns (_cache_kv and _cache_mask are views of their
+    # first columns): extend writes the new columns in place, and a draft writes the block's own
+    # keys/values just past the cached columns, so that attention reads one view and no step copies
+    # the cache (torch.cat did, twice per layer and step).
+
+    #: Truncate drafts before the first slot whose top-1 probability under the drafter's softmax is
+    #: below this (None: never). The verifier then checks only the confident prefix, the same number
+    #: of slots for every row (the longest row's). Exact, as any draft length fixed before the
+    #: target runs is. Set it on a loaded drafter: ``drafter.confidence_threshold = 0.3``.
+    confidence_threshold: float | None = None
 
     def reset(self, batch_size: int) -> None:
-        cfg, w = self.config, self.fuse.weight
-        empty = w.new_zeros(batch_size, cfg.num_kv_heads, 0, cfg.head_dim)
-        self._cache_kv = [(empty, empty) for _ in self.layers]
-        self._cache_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=w.device)
+        self._columns = 0
+        self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
+        self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.fuse.weight.device)
+        self._set_views()
+
+    def _set_views(self) -> None:
+        cfg, c = self.config, self._columns
+        if self._kv_buffers is None:
+            empty = self.fuse.weight.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
+            self._cache_kv = [(empty, empty) for _ in self.layers]
+        else:
+            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in self._kv_buffers]
+        self._cache_mask = self._mask_buffer[:, :c]
+
+    def _reserve(self, columns: int) -> None:
+        """Room for ``columns`` columns in the buffers (they grow by a quarter, at least 64 columns)."""
+        capacity = self._mask_buffer.shape[1]
+        # Buffers made under torch.inference_mode cannot be written outside it: copy them then.
+        stale = self._mask_buffer.is_inference() and not torch.is_inference_mode_enabled()
+        if columns <= capacity and not stale:
+            return
+        if columns > capacity:
+            capacity = columns + max(64, columns // 4)
+        cfg, c, w = self.config, self._columns, self.fuse.weight
+        rows = self._mask_buffer.shape[0]
+        mask = torch.zeros(rows, capacity, dtype=torch.bool, device=w.device)
+        mask[:, :c] = self._mask_buffer[:, :c]
+        buffers = []
+        for i in range(len(self.layers)):
+            k = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
+            v = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
+            if self._kv_buffers is not None and c > 0:
+                k[:, :, :c] = self._kv_buffers[i][0][:, :, :c]
+                v[:, :, :c] = self._kv_buffers[i][1][:, :, :c]
+            buffers.append((k, v))
+        self._kv_buffers, self._mask_buffer = buffers, mask
 
     def _require_cache(self) -> None:
         if self._cache_kv is None or self._cache_mask is None:
@@ -694,20 +767,77 @@ class BlockDiffusionDrafter(nn.Module):
         if n == 0:
             return
         kv = self.context_kv(self.fuse_context(hidden_states), position_ids)
-        self._cache_kv = [(torch.cat([ck, k], 2), torch.cat([cv, v], 2))
-                          for (ck, cv), (k, v) in zip(self._cache_kv, kv)]
-        self._cache_mask = torch.cat([self._cache_mask, attention_mask.bool()], dim=1)
+        c = self._columns
+        self._reserve(c + n + self.config.block_size)  # room for the next draft's block too
+        for (k_buffer, v_buffer), (k, v) in zip(self._kv_buffers, kv):
+            k_buffer[:, :, c : c + n] = k
+            v_buffer[:, :, c : c + n] = v
+        self._mask_buffer[:, c : c + n] = attention_mask.bool()
+        self._columns = c + n
+        self._set_views()
 
     @torch.no_grad()
     def draft_logits(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, K, V) of one block per row, seeing every committed cached column."""
+        """Logits (B, K, V) of one block per row, seeing every committed cached column.
+
+        The same computation as :meth:`block_logits` with one block per row after every cached
+        column, without building its mask or concatenating keys (see :func:`_draft_layer`).
+        """
+        return self._head(self._draft_states(anchor_ids, anchor_position_ids))
+
+    def _draft_states(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
+        """Normalised output states (B, K, H) of slots 1..K of one block per row (the LM head's input)."""
         self._require_cache()
-        rows, cols = self._cache_mask.shape
-        anchors = torch.full((rows, 1), cols, dtype=torch.long, device=self._cache_mask.device)
-        mask = build_block_attention_mask(anchors, self.config.block_size, cols, self._cache_mask)
-        logits = self.block_logits(anchor_ids.reshape(rows, 1), anchor_position_ids.reshape(rows, 1),
-                                   self._cache_kv, mask)
-        return logits[:, 0]  # (B, K, V)
+        cfg, target = self.config, self.target
+        rows, c, bs = self._mask_buffer.shape[0], self._columns, cfg.block_size
+        self._reserve(c + bs)
+        self._mask_buffer[:, c : c + bs] = True  # block slots: past the cached columns, see each other
+        mask = self._mask_buffer[:, None, None, : c + bs]  # (B, 1, 1, C + B), the same for every slot
+        ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
+        ids[:, 0] = anchor_ids.reshape(rows)
+        x = target.get_input_embeddings()(ids).to(self.fuse.weight.dtype)  # (B, B, H)
+        positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        last = len(self.layers) - 1
+        for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, self._kv_buffers)):
+            x = _draft_layer(layer, x, cos, sin, k_buffer, v_buffer, c, mask, skip_anchor=i == last)
+        return self.norm(x)  # (B, K, H): the last layer kept slots 1..K only
+
+    def _head(self, states: torch.Tensor) -> torch.Tensor:  # (B, n, H) -> (B, n, V) float32
+        head = self.target.get_output_embeddings()
+        rows, n, width = states.shape
+        return head(states.reshape(rows * n, width).to(head.weight.dtype)).view(rows, n, -1).float()
+
+    def confident_width(self, logits: torch.Tensor) -> int:
+        """Slots (from slot 1) that every row's drafts need: the longest leading run over rows of slots
+        whose top-1 probability is at least :attr:`confidence_threshold`. logits: (B, K, V)."""
+        top1 = (logits.amax(-1) - logits.logsumexp(-1)).exp()  # (B, K)
+        leading = (top1 >= self.confidence_threshold).long().cumprod(-1).sum(-1)  # (B,)
+        return int(leading.max()) if leading.numel() else 0
+
+    def _confident_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """``logits[:, :confident_width(logits)]`` for ``logits = _head(states)`` (B, K, H), with the LM
+        head run slot chunk by slot chunk until every row has met a slot below the threshold.
+
+        The first chunk covers the recent mean width plus one slot; each next one is twice as long.
+        """
+        rows, num_slots, _ = states.shape
+        leading = torch.zeros(rows, dtype=torch.long, device=states.device)  # confident slots so far
+        parts, start = [], 0
+        size = max(1, math.ceil(getattr(self, "_width_mean", 2.0)) + 1)
+        while start < num_slots:
+            end = min(num_slots, start + size)
+            logits = self._head(states[:, start:end])  # (B, n, V)
+            top1 = (logits.amax(-1) - logits.logsumexp(-1)).exp()  # (B, n)
+            run = (top1 >= self.confidence_threshold).long().cumprod(-1).sum(-1)  # (B,)
+            leading = torch.where(leading == start, start + run, leading)
+            parts.append(logits)
+            if not bool((leading == end).any()):
+                break
+            start, size = end, 2 * size
+        width = int(leading.max()) if rows else 0
+        self._width_mean = 0.7 * getattr(self, "_width_mean", 2.0) + 0.3 * width
+        return torch.cat(parts, dim=1)[:, :width]
 
     @torch.no_grad()
     def draft(
@@ -720,13 +850,18 @@ class BlockDiffusionDrafter(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens (B, K) and, when sampling, q (B, K, V) float32.
+        """Tokens (B, K) and, when sampling, q (B, K, V) float32; with :attr:`confidence_threshold`,
+        (B, W) and (B, W, V) for the :meth:`confident_width` W <= K.
 
         Slots of a block are conditionally independent given the context (one forward pass, no
         feedback between slots), so sampling each slot from its own warped distribution makes
         ``tokens[:, k]`` a draw from ``q[:, k]`` given the drafts before it, as the verifier needs.
+        The width W depends on the drafter's distributions only, not on the tokens drawn.
         """
-        logits = self.draft_logits(anchor_ids, anchor_position_ids)  # (B, K, V)
+        if self.confidence_threshold is None:
+            logits = self.draft_logits(anchor_ids, anchor_position_ids)  # (B, K, V)
+        else:
+            logits = self._confident_logits(self._draft_states(anchor_ids, anchor_position_ids))  # (B, W, V)
         if temperature == 0:
             return logits.argmax(-1), None
         q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, K, V) float32
@@ -734,8 +869,10 @@ class BlockDiffusionDrafter(nn.Module):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._require_cache()
-        self._cache_kv = [(k[rows], v[rows]) for k, v in self._cache_kv]
-        self._cache_mask = self._cache_mask[rows]
+        if self._kv_buffers is not None:
+            self._kv_buffers = [(k[rows], v[rows]) for k, v in self._kv_buffers]
+        self._mask_buffer = self._mask_buffer[rows]
+        self._set_views()
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,24 +1,30 @@
-"""Cost of one speculative step, part by part, against one target-only step (greedy, CPU or GPU).
+"""Cost of one speculative step, part by part, against one target-only step (CPU or GPU).
 
 Profiles the real decoding loop (:mod:`experiments.step_profile`) on the embedded tiny target with
 a randomly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (random weights cost
 what trained ones do) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
-prompts of about 200 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
-first ``--skip`` steps, the prefill and the last step are left out. Parts: ``draft`` (of which
-``draft_logits``: the drafter's forward), ``target_forward`` (of which ``lm_head``), ``verify``,
-``bookkeeping`` (emitted tokens, EOS and budget, the Python lists), ``select_rows``, ``crop`` (KV
-cache crop and the new columns' mask), ``drafter_extend``. The break-even τ is the speculative
-step's cost over the target-only step's.
+prompts of 185-215 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
+first ``--skip`` steps, the prefill and the last step are left out. Greedy, and sampling at the
+``--sampled`` temperatures (variants ``*_T1``). Parts: ``draft`` (of which ``draft_logits@draft``:
+the drafter's forward), ``target_forward``, ``verify``, ``bookkeeping`` (emitted tokens, EOS and
+budget, the Python lists), ``select_rows``, ``crop`` (KV cache crop and the new columns' mask),
+``drafter_extend``; ``lm_head@<part>`` is the time in the target's LM head (which the drafter
+shares) within that part. Medians of wall (``*_ms``) and of CPU time (``*_cpu_ms``, the table's
+unit: robust to other processes on a shared machine at one thread). The break-even τ is the
+speculative step's cost over the target-only step's.
 
-Then end to end: greedy tokens/s of speculative decoding (same drafters, and with
-``--confidence`` thresholds the confidence-truncated drafts) and of target-only decoding on the same
-prompts, interleaved, with τ and the break-even τ = τ / speedup. A random drafter has τ ≈ 1; pass
-``--drafter DIR`` for a trained one.
+Then end to end: tokens/s of greedy speculative decoding (the same drafters; ``--drafter DIR``
+adds a trained one, and ``--confidence`` thresholds its confidence-truncated drafts) and of
+target-only decoding on the same prompts, interleaved, with τ and the break-even τ = τ / speedup
+(prefill included, which dilutes it). A random drafter has τ ≈ 1.
 
-``--label`` names the run inside ``--out``; runs under other labels already in the file are kept,
-so ``--label before`` and ``--label after`` on two versions of the code end up side by side.
+``--baseline REV`` also runs ``verify/generate.py``, ``verify/rejection.py`` and
+``drafters/model.py`` as they were at git revision REV (variants ``before/...``, same weights),
+interleaved with today's in the same process, and writes ``before_after``. ``--label`` names the
+run inside ``--out``; runs under other labels already in the file are kept.
 
-    python -m experiments.bench_step --label after --out experiments/results/bench/bench_step.json
+    python -m experiments.bench_step --baseline a2adb9b --drafter <run>/drafter --confidence 0.4 0.6 0.8
+           --label main --out experiments/results/bench/bench_step.json   (one command line)
 """
 
 from __future__ import annotations
@@ -30,13 +36,22 @@ from pathlib import Path
 
 import torch
 
-from experiments.step_profile import break_even, end_to_end, profile_steps
+from experiments.step_profile import (
+    TARGET_ONLY,
+    Variant,
+    break_even,
+    end_to_end,
+    load_baseline,
+    profile_steps,
+    target_only_name,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=None, help="Hugging Face model folder (default: the embedded tiny target)")
-    parser.add_argument("--drafter", default=None, help="a saved drafter for the end-to-end part (default: random)")
+    parser.add_argument("--drafter", default=None,
+                        help="a saved drafter, also run end to end (trained_K*); --confidence then applies to it")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8])
     parser.add_argument("--num-layers", type=int, default=1, help="layers of the random drafter")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -46,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens per row of a profiled decode")
     parser.add_argument("--skip", type=int, default=4, help="first steps of a decode left out of the profile")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the step profile")
+    parser.add_argument("--sampled", type=float, nargs="*", default=[1.0],
+                        help="also profile steps sampling at these temperatures (variants *_T1)")
     parser.add_argument("--e2e-prompts", type=int, default=16, help="prompts of the end-to-end part (0: skip it)")
     parser.add_argument("--e2e-batch-sizes", type=int, nargs="+", default=[8, 1])
     parser.add_argument("--e2e-single-prompts", type=int, default=4, help="prompts of the batch-1 end-to-end runs")
@@ -53,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--e2e-rounds", type=int, default=3)
     parser.add_argument("--confidence", type=float, nargs="*", default=[],
                         help="also run end to end with drafts truncated at these top-1 probability thresholds")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also run verify/generate.py, verify/rejection.py and drafters/model.py as they were "
+                             "at this git revision, interleaved in the same process (variants before/...)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,11 +114,26 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     target, tokenizer = load_target(args.target or str(TINY_TARGET_DIR), device=args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    drafters = {}
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    drafters, variants = {}, {TARGET_ONLY: Variant()}
+    if baseline is not None:
+        variants[f"before/{TARGET_ONLY}"] = Variant(generate=baseline[0])
     for block_size in args.block_sizes:
         torch.manual_seed(args.seed)
-        drafters[f"spec_K{block_size - 1}"] = BlockDiffusionDrafter.from_target(
+        name = f"spec_K{block_size - 1}"
+        drafters[name] = drafter = BlockDiffusionDrafter.from_target(
             target, block_size=block_size, num_layers=args.num_layers).to(device).eval()
+        variants[name] = Variant(drafter)
+        if baseline is not None:
+            old = baseline[1].BlockDiffusionDrafter(baseline[1].DrafterConfig.from_dict(drafter.config.to_dict()))
+            old.load_state_dict(drafter.state_dict())
+            old.attach_target(target)
+            variants[f"before/{name}"] = Variant(old.to(device).eval(), baseline[0])
+    step_variants = dict(variants)
+    for temperature in args.sampled:  # the same steps, sampling (q from the drafter, verify_block)
+        for name, variant in variants.items():
+            step_variants[f"{name}_T{temperature:g}"] = Variant(variant.drafter, variant.generate,
+                                                                 temperature=temperature)
     prompts = humaneval_prompts(tokenizer, *args.prompt_tokens)
 
     # ---- one step, part by part
@@ -106,23 +141,27 @@ def main(argv=None) -> dict:
     for batch_size in args.batch_sizes:
         count = args.single_prompts if batch_size == 1 else batch_size
         batches[f"batch_{batch_size}"] = make_batches(prompts, batch_size, count, pad_id, device)
-    variants = {"target": None, **drafters}
-    steps = profile_steps(target, variants, batches, args.max_new_tokens, args.rounds, args.skip)
+    steps = profile_steps(target, step_variants, batches, args.max_new_tokens, args.rounds, args.skip)
     for summary in steps.values():
-        summary["break_even_tau"] = break_even(summary)
-        summary["break_even_tau_cpu"] = break_even(summary, key="total_cpu_ms")
+        wall, cpu = break_even(summary), break_even(summary, key="total_cpu_ms")
+        summary["break_even_tau"], summary["break_even_tau_cpu"] = wall, cpu
 
     # ---- end to end
     e2e = {}
     if args.e2e_prompts > 0:
-        e2e_variants = dict(drafters)
+        e2e_variants = dict(variants)
         if args.drafter is not None:
             trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device).eval()
-            e2e_variants = {f"trained_K{trained.num_draft_tokens}": trained}
+            e2e_variants[f"trained_K{trained.num_draft_tokens}"] = Variant(trained)
+            if baseline is not None:
+                old = baseline[1].BlockDiffusionDrafter.from_pretrained(args.drafter, target=target)
+                e2e_variants[f"before/trained_K{trained.num_draft_tokens}"] = Variant(old.to(device).eval(),
+                                                                                      baseline[0])
         for threshold in args.confidence:
-            for name, drafter in list(e2e_variants.items()):
-                if getattr(drafter, "confidence_threshold", None) is None and "@" not in name:
-                    e2e_variants[f"{name}@{threshold:g}"] = _with_threshold(drafter, threshold)
+            for name, variant in list(e2e_variants.items()):
+                if variant.drafter is not None and "/" not in name and "@" not in name and (
+                        args.drafter is None or name.startswith("trained")):
+                    e2e_variants[f"{name}@{threshold:g}"] = Variant(_with_threshold(variant.drafter, threshold))
         for batch_size in args.e2e_batch_sizes:
             count = args.e2e_single_prompts if batch_size == 1 else args.e2e_prompts
             e2e[f"batch_{batch_size}"] = end_to_end(
@@ -136,9 +175,11 @@ def main(argv=None) -> dict:
         "target_params": sum(p.numel() for p in target.parameters()),
         "drafter_params": {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()},
         "prompt_tokens": {b: [int(m.sum(1).max()) for _, m in bs] for b, bs in batches.items()},
+        "trained_drafter": _drafter_card(args.drafter),
         "step": steps,
         "end_to_end": e2e,
     }
+    run["before_after"] = before_after(run)
     out_path = Path(args.out)
     results = json.loads(out_path.read_text()) if out_path.is_file() else {}
     results.setdefault("runs", {})[args.label] = run
@@ -149,8 +190,53 @@ def main(argv=None) -> dict:
     return run
 
 
+def before_after(run: dict) -> dict:
+    """``{batch: {variant: {quantity: [before, after]}}}`` for every variant also run as ``before/...``:
+    step cost (median CPU ms), target-only step cost, break-even τ, and end to end tokens/s and
+    speedup over target-only (``--baseline`` runs only)."""
+    out: dict = {}
+    for batch, summary in run["step"].items():
+        for name in summary["break_even_tau_cpu"]:
+            if name.startswith("before/") or f"before/{name}" not in summary:
+                continue
+            target = target_only_name(name)
+            out.setdefault(batch, {})[name] = {
+                "step_cpu_ms": [summary[f"before/{name}"]["total_cpu_ms"], summary[name]["total_cpu_ms"]],
+                "target_step_cpu_ms": [summary[f"before/{target}"]["total_cpu_ms"], summary[target]["total_cpu_ms"]],
+                "break_even_tau": [summary["break_even_tau_cpu"][f"before/{name}"],
+                                   summary["break_even_tau_cpu"][name]],
+            }
+    for batch, result in run["end_to_end"].items():
+        for name, r in result.items():
+            if name.startswith("before/") or f"before/{name}" not in result:
+                continue
+            old = result[f"before/{name}"]
+            entry = out.setdefault(f"end_to_end_{batch}", {}).setdefault(name, {})
+            entry["tokens_per_s"] = [old["tokens_per_s"], r["tokens_per_s"]]
+            if "speedup" in r:
+                entry["speedup"] = [old["speedup"], r["speedup"]]
+                entry["break_even_tau"] = [old["break_even_tau"], r["break_even_tau"]]
+    return out
+
+
+def _drafter_card(path: str | None) -> dict | None:
+    """What a trained drafter is: its training run's summary (steps, data, last validation), if any."""
+    if path is None:
+        return None
+    card = {"path": Path(path).name}  # no machine paths in committed results; the name and overrides retrain it
+    summary = Path(path).parent / "train_summary.json"
+    if summary.is_file():
+        data = json.loads(summary.read_text())
+        card.update({k: data[k] for k in ("name", "steps", "train_rows", "overrides") if k in data})
+        last = data.get("val") or {}
+        if isinstance(last, dict):
+            card.update({k: v for k, v in last.items() if k in ("val/tau_greedy", "val/acc_slot1", "val/ce")})
+    return card
+
+
 def _with_threshold(drafter, threshold: float):
-    """A copy of ``drafter`` (sharing its weights and target) that truncates drafts at ``threshold``."""
+    """A shallow copy of ``drafter`` (sharing its weights and target) that truncates drafts at
+    ``threshold`` (:attr:`drafters.model.BlockDiffusionDrafter.confidence_threshold`)."""
     import copy
 
     clone = copy.copy(drafter)
@@ -166,22 +252,21 @@ def format_table(run: dict, suffix: str = "cpu_ms") -> str:
         parts = sorted({k[: -len(suffix) - 1] for n in names for k in summary[n] if k.endswith("_" + suffix)
                         and not k.endswith("_cpu_" + suffix)})
         lines.append(f"\n{batch}: {suffix} per step (median)")
-        lines.append("part".ljust(26) + "".join(n.rjust(14) for n in names))
+        lines.append("part".ljust(26) + "".join(n.rjust(20) for n in names))
         for part in parts:
-            lines.append(part.ljust(26) + "".join(f"{summary[n].get(f'{part}_{suffix}', 0.0):14.2f}" for n in names))
+            lines.append(part.ljust(26) + "".join(f"{summary[n].get(f'{part}_{suffix}', 0.0):20.2f}" for n in names))
         key = "break_even_tau_cpu" if suffix == "cpu_ms" else "break_even_tau"
-        lines.append("break-even tau".ljust(26) + "".rjust(14)
-                     + "".join(f"{summary[key].get(n, float('nan')):14.2f}" for n in names[1:]))
+        lines.append("break-even tau".ljust(26) + "".join(
+            f"{summary[key][n]:20.2f}" if n in summary[key] else "".rjust(20) for n in names))
     for batch, result in run["end_to_end"].items():
-        base = result["target"]
-        lines.append(f"\nend to end, {batch}: target {base['tokens_per_s']:.1f} tok/s "
-                     f"({base['tokens_per_cpu_s']:.1f} per CPU s)")
+        lines.append(f"\nend to end, {batch}")
         for name, r in result.items():
-            if name != "target":
-                lines.append(f"  {name}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}, speedup "
-                             f"{r['speedup']:.3f} (CPU {r['speedup_cpu']:.3f}), break-even tau "
-                             f"{r['break_even_tau']:.2f} (CPU {r['break_even_tau_cpu']:.2f}), "
-                             f"identical {r['identical_to_target']}")
+            line = f"  {name}: {r['tokens_per_s']:.1f} tok/s ({r['tokens_per_cpu_s']:.1f} per CPU s)"
+            if "tau" in r:
+                line += (f", tau {r['tau']:.2f}, speedup {r['speedup']:.3f} (CPU {r['speedup_cpu']:.3f}), "
+                         f"break-even tau {r['break_even_tau']:.2f} (CPU {r['break_even_tau_cpu']:.2f}), "
+                         f"identical {r['identical_to_target']}")
+            lines.append(line)
     return "\n".join(lines)
 
 

@@ -3,28 +3,40 @@
 :func:`verify.generate._decode` takes an optional *clock* whose ``lap(name)`` it calls at the end of
 each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,
 ``crop``, ``drafter_extend``) and whose ``next_step()`` it calls when a step ends, so the laps of
-one step partition its wall time. :class:`StepClock` records them; :func:`timed_parts` adds
-sub-parts measured inside a lap (the drafter's ``draft_logits``, the target's LM head). Everything
-here runs the real decoding loop: a profiled step is a step of :func:`verify.speculative_generate`.
+one step partition its wall time. :class:`StepClock` records them (wall and CPU time);
+:func:`timed_parts` adds sub-parts timed inside a lap (the drafter's ``draft_logits``, the LM head,
+attributed to the lap they fall in: ``lm_head@verify``). Everything here runs the real decoding
+loop: a profiled step is a step of :func:`verify.speculative_generate`.
 
-Costs are medians over the steps of several decodes, the variants interleaved round by round so that
-load from other processes hits them alike. The break-even τ of a speculative step is its cost over
-a target-only step at the same batch (every row gains τ tokens per speculative step, 1 per target
-step).
+A *variant* is a version of the decoding code (a module like :mod:`verify.generate`), a drafter
+(None: target-only decoding) and extra ``_decode`` keyword arguments. :func:`load_baseline` loads
+the decoding code and the drafter class of an earlier git revision beside the current ones, so
+that both versions run in one process, interleaved (round by round, so that load from other
+processes hits them alike). Costs are medians over the steps of several decodes. The break-even τ
+of a speculative step is its cost over a target-only step of the same version at the same batch
+(every row gains τ tokens per speculative step, 1 per target step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
-from verify.generate import _check_inputs, _decode, _eos_tensor, speculative_generate, target_generate
+import verify.generate
 
-SPEC_PARTS = ("draft", "target_forward", "verify", "bookkeeping", "select_rows", "crop", "drafter_extend")
+REPO = Path(__file__).resolve().parent.parent
+TARGET_ONLY = "target"
 
 
 class StepClock:
@@ -70,7 +82,7 @@ class StepClock:
 
 @contextlib.contextmanager
 def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
-    """Time ``drafter.draft_logits`` and the target's LM head as sub-parts while the block runs."""
+    """Time ``drafter.draft_logits`` and the target's LM head (which the drafter shares) as sub-parts."""
     patched: list[tuple[object, str]] = []
 
     def wrap(owner, attr: str, name: str) -> None:
@@ -100,21 +112,66 @@ def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
 
 
 def device_sync(device: torch.device) -> Callable[[], None] | None:
-    if device.type == "cuda":
-        return torch.cuda.synchronize
-    return None
+    return torch.cuda.synchronize if device.type == "cuda" else None
 
 
-def profile_decode(target, drafter, input_ids, attention_mask, max_new_tokens: int, skip: int = 4,
-                   **decode_kwargs) -> tuple[list[dict], list[dict]]:
-    """Per-step laps (seconds of wall and of CPU time) of one greedy decode, without the prefill, the
-    first ``skip`` steps and the last one (which may end early)."""
-    attention_mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens,
-                                   target.get_output_embeddings().weight.shape[0])
+# --------------------------------------------------------------------------------------------------
+# Versions of the code
+
+
+@dataclass
+class Variant:
+    """What one profiled decode runs: ``generate`` (a module like :mod:`verify.generate`), a drafter
+    (None: target-only), the sampling temperature and extra keyword arguments of its ``_decode``."""
+
+    drafter: object | None = None
+    generate: ModuleType = verify.generate
+    kwargs: dict = field(default_factory=dict)
+    temperature: float = 0.0
+
+
+def _import_file(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_baseline(rev: str) -> tuple[ModuleType, ModuleType]:
+    """``(generate, model)``: ``verify/generate.py`` and ``drafters/model.py`` as they were at git
+    revision ``rev``, each using ``verify/rejection.py`` of that revision, importable beside the
+    current ones (modules ``baseline_rejection``, ``baseline_generate``, ``baseline_model``, written
+    to a temporary folder). The other modules they import (``verify.drafter``,
+    ``drafters.attention``, ...) are today's."""
+    folder = Path(tempfile.mkdtemp(prefix=f"blockdraft-{rev}-"))
+    modules = []
+    for name, path in [("rejection", "verify/rejection.py"), ("generate", "verify/generate.py"),
+                       ("model", "drafters/model.py")]:
+        source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
+                                capture_output=True, text=True).stdout
+        source = source.replace("from verify.rejection import", "from baseline_rejection import")
+        (folder / f"baseline_{name}.py").write_text(source)
+        modules.append(_import_file(f"baseline_{name}", folder / f"baseline_{name}.py"))
+    return modules[1], modules[2]
+
+
+# --------------------------------------------------------------------------------------------------
+# One step, part by part
+
+
+def profile_decode(target, variant: Variant, input_ids, attention_mask, max_new_tokens: int,
+                   skip: int = 4) -> tuple[list[dict], list[dict]]:
+    """Per-step laps (seconds of wall and of CPU time) of one decode, without the prefill, the first
+    ``skip`` steps and the last one (which may end early)."""
+    gen = variant.generate
+    attention_mask = gen._check_inputs(target, input_ids, attention_mask, max_new_tokens,
+                                       target.get_output_embeddings().weight.shape[0])
     clock = StepClock(device_sync(input_ids.device))
-    with timed_parts(clock, drafter, target):
-        _decode(target, drafter, input_ids, attention_mask, max_new_tokens, 0.0, None, None,
-                _eos_tensor(None, input_ids.device), None, clock=clock, **decode_kwargs)
+    with timed_parts(clock, variant.drafter, target):
+        generator = torch.Generator(device=input_ids.device).manual_seed(0) if variant.temperature else None
+        gen._decode(target, variant.drafter, input_ids, attention_mask, max_new_tokens, variant.temperature,
+                    None, None, gen._eos_tensor(None, input_ids.device), generator, clock=clock, **variant.kwargs)
     # steps[0] is the prefill
     return clock.steps[1:][skip:-1], clock.cpu_steps[1:][skip:-1]
 
@@ -130,67 +187,75 @@ def summarize_steps(steps: Sequence[dict], suffix: str = "ms") -> dict:
     return out
 
 
-def profile_steps(target, variants: dict, batches: dict, max_new_tokens: int, rounds: int, skip: int = 4) -> dict:
-    """``{batch name: {variant: summary}}`` for every drafter in ``variants`` (None = target only) on every
-    batch in ``batches`` ({name: [(input_ids, attention_mask), ...]}), interleaved round by round."""
+def profile_steps(target, variants: dict[str, Variant], batches: dict, max_new_tokens: int, rounds: int,
+                  skip: int = 4) -> dict:
+    """``{batch name: {variant: summary}}`` for every variant on every batch in ``batches``
+    ({name: [(input_ids, attention_mask), ...]}), interleaved round by round."""
     steps = {b: {v: ([], []) for v in variants} for b in batches}
-    for batch_name, inputs in batches.items():  # one warm-up decode per variant and batch
-        for drafter, kwargs in map(_variant, variants.values()):
+    for inputs in batches.values():  # one warm-up decode per variant and batch
+        for variant in variants.values():
             ids, mask = inputs[0]
-            profile_decode(target, drafter, ids, mask, min(max_new_tokens, skip + 4), 0, **kwargs)
+            profile_decode(target, variant, ids, mask, min(max_new_tokens, skip + 4), 0)
     for _ in range(rounds):
         for batch_name, inputs in batches.items():
-            for name, (drafter, kwargs) in zip(variants, map(_variant, variants.values())):
+            for name, variant in variants.items():
                 for ids, mask in inputs:
-                    wall, cpu = profile_decode(target, drafter, ids, mask, max_new_tokens, skip, **kwargs)
+                    wall, cpu = profile_decode(target, variant, ids, mask, max_new_tokens, skip)
                     steps[batch_name][name][0].extend(wall)
                     steps[batch_name][name][1].extend(cpu)
     return {b: {v: {"steps": len(wall), **summarize_steps(wall), **summarize_steps(cpu, "cpu_ms")}
                 for v, (wall, cpu) in per.items()} for b, per in steps.items()}
 
 
-def _variant(spec) -> tuple:
-    """A variant is a drafter (or None), or a (drafter, extra ``_decode`` keyword arguments) pair."""
-    return spec if isinstance(spec, tuple) else (spec, {})
+def target_only_name(name: str) -> str:
+    """The target-only variant of the same version and temperature: ``before/spec_K15_T1`` ->
+    ``before/target_T1``."""
+    prefix, _, base = name.rpartition("/")
+    suffix = "_T" + base.split("_T", 1)[1] if "_T" in base else ""
+    return (prefix + "/" if prefix else "") + TARGET_ONLY + suffix
 
 
-def break_even(summary: dict, baseline: str = "target", key: str = "total_ms") -> dict:
-    """Per speculative variant: its step cost over the target-only step = the τ it needs to break even."""
-    base = summary[baseline][key]
-    return {name: s[key] / base for name, s in summary.items() if name != baseline and key in s}
+def is_target_only(name: str) -> bool:
+    return name.rpartition("/")[2].startswith(TARGET_ONLY)
+
+
+def break_even(summary: dict, key: str = "total_ms") -> dict:
+    """Per speculative variant: its step cost over the same version's target-only step = the τ it
+    needs to break even."""
+    return {name: s[key] / summary[target_only_name(name)][key] for name, s in summary.items()
+            if not is_target_only(name) and target_only_name(name) in summary}
 
 
 # --------------------------------------------------------------------------------------------------
 # End to end
 
 
-def end_to_end(target, variants: dict, batches: Sequence, max_new_tokens: int, rounds: int,
+def end_to_end(target, variants: dict[str, Variant], batches: Sequence, max_new_tokens: int, rounds: int,
                eos_token_id=None) -> dict:
-    """Greedy tokens/s of each speculative variant and of target-only decoding over the same batches,
-    interleaved batch by batch and round by round; medians over rounds of the summed wall (and CPU)
-    seconds.
+    """Greedy tokens/s of every variant over the same batches, interleaved batch by batch and round by
+    round; medians over rounds of the summed wall (and CPU) seconds.
 
-    Returns per variant: tokens/s, τ, speedup (its tokens/s over target-only), the break-even τ
-    (τ / speedup: the τ at which this variant would match target-only speed) and whether its tokens
-    equal target-only's; ``*_cpu`` the same from this process's CPU time.
+    Returns per variant tokens/s and new tokens; per speculative variant also τ, speedup (its
+    tokens/s over the same version's target-only), the break-even τ (τ / speedup: the τ at which it
+    would match target-only speed) and whether its tokens equal target-only's; ``*_cpu`` the same
+    from this process's CPU time.
     """
-    names = ["target", *variants]
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    tokens: dict[str, int] = dict.fromkeys(names, 0)
-    steps: dict[str, int] = dict.fromkeys(names, 0)
-    outputs: dict[str, list] = {n: [] for n in names}
+    wall: dict[str, list[float]] = {n: [] for n in variants}
+    cpu: dict[str, list[float]] = {n: [] for n in variants}
+    tokens: dict[str, int] = dict.fromkeys(variants, 0)
+    steps: dict[str, int] = dict.fromkeys(variants, 0)
+    outputs: dict[str, list] = {n: [] for n in variants}
     for r in range(rounds + 1):  # round 0 warms up
-        round_wall, round_cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+        round_wall, round_cpu = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, 0.0)
         for ids, mask in batches:
-            for name in names:
+            for name, v in variants.items():
                 start_cpu = time.process_time()
-                if name == "target":
-                    out = target_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                          eos_token_id=eos_token_id)
+                if v.drafter is None:
+                    out = v.generate.target_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                                     eos_token_id=eos_token_id)
                 else:
-                    out = speculative_generate(target, variants[name], ids, attention_mask=mask,
-                                               max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+                    out = v.generate.speculative_generate(target, v.drafter, ids, attention_mask=mask,
+                                                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
                 round_cpu[name] += time.process_time() - start_cpu
                 round_wall[name] += out.wall_time
                 if r == 0:
@@ -198,23 +263,25 @@ def end_to_end(target, variants: dict, batches: Sequence, max_new_tokens: int, r
                     steps[name] += out.num_target_forwards
                     outputs[name].extend(out.new_tokens)
         if r > 0:
-            for name in names:
+            for name in variants:
                 wall[name].append(round_wall[name])
                 cpu[name].append(round_cpu[name])
     result = {}
-    base = tokens["target"] / statistics.median(wall["target"])
-    base_cpu = tokens["target"] / statistics.median(cpu["target"])
-    result["target"] = {"tokens_per_s": base, "tokens_per_cpu_s": base_cpu, "new_tokens": tokens["target"],
-                        "seconds": [round(s, 4) for s in wall["target"]]}
-    for name in variants:
-        tps = tokens[name] / statistics.median(wall[name])
-        tps_cpu = tokens[name] / statistics.median(cpu[name])
+    for name, v in variants.items():
+        result[name] = {"tokens_per_s": tokens[name] / statistics.median(wall[name]),
+                        "tokens_per_cpu_s": tokens[name] / statistics.median(cpu[name]),
+                        "new_tokens": tokens[name], "seconds": [round(s, 4) for s in wall[name]]}
+    for name, v in variants.items():
+        base = target_only_name(name)
+        if v.drafter is None or base not in result:
+            continue
+        r, b = result[name], result[base]
         tau = tokens[name] / steps[name]
-        result[name] = {
-            "tokens_per_s": tps, "tau": tau, "speedup": tps / base, "break_even_tau": tau * base / tps,
-            "tokens_per_cpu_s": tps_cpu, "speedup_cpu": tps_cpu / base_cpu,
-            "break_even_tau_cpu": tau * base_cpu / tps_cpu,
-            "new_tokens": tokens[name], "identical_to_target": outputs[name] == outputs["target"],
-            "seconds": [round(s, 4) for s in wall[name]],
-        }
+        r.update({
+            "tau": tau, "speedup": r["tokens_per_s"] / b["tokens_per_s"],
+            "speedup_cpu": r["tokens_per_cpu_s"] / b["tokens_per_cpu_s"],
+            "identical_to_target": outputs[name] == outputs[base],
+        })
+        r["break_even_tau"] = tau / r["speedup"]
+        r["break_even_tau_cpu"] = tau / r["speedup_cpu"]
     return result

@@ -72,6 +72,11 @@ class Drafter(Protocol):
 
         When q is returned, ``tokens[:, k]`` must have been drawn from ``q[:, k]`` (given the
         drafts before it); the verifier's exactness relies on it.
+
+        A drafter may return fewer drafts, (B, W) and (B, W, V) with W <= K, the same W for every
+        row: only those are verified. Exactness then needs only that the decision to include slot k
+        does not look at the token drawn for slot k or later (e.g. a width chosen from the proposal
+        distributions of a block drafter, whose slots are drawn independently).
         """
 
     def select_rows(self, rows: torch.Tensor) -> None:
