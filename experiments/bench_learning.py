@@ -149,6 +149,9 @@ def main() -> None:
                                                                           args.max_length)
     if args.overfit:
         train_rows = val_rows
+    if not train_rows or not val_rows:
+        raise ValueError(f"{args.data_dir}: {len(train_rows)} training and {len(val_rows)} validation rows with a "
+                         f"response inside --max-length {args.max_length}; need at least one of each")
     curve = train(args, target, train_rows, val_rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
