@@ -2,9 +2,9 @@
 
     python -m experiments.bench_learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
         [--layers 1] [--block-size 16] [--num-anchors 32] [--target-layer-ids 1 2 3 4 5]
-        [--init current|first_wave] [--overfit] [--out runs/bench_learning.json]
+        [--init current|first_wave] [--gamma G] [--loss-slots N] [--overfit] [--out runs/bench_learning.json]
 
-A plain loop (AdamW, warmup + cosine, uniform CE, gradient clipping at 1.0), no Lightning: the
+A plain loop (AdamW, warmup + cosine, uniform CE or ``--gamma`` decay, gradient clipping at 1.0), no Lightning: the
 drafter from :meth:`drafters.BlockDiffusionDrafter.from_target`, the context from the feature cache
 of :mod:`drafters.features` (computed on first use), anchors from :func:`drafters.data.sample_anchors`.
 Every ``--eval-every`` steps it records, on the validation split (or the training batch with
@@ -32,6 +32,7 @@ from drafters.data import collate, load_regenerated, sample_anchors, split_by_id
 from drafters.features import FeatureStore, ensure_features
 from drafters.model import target_final_norm_weight
 from experiments.target import TINY_TARGET_DIR, load_target
+from losses import AcceptanceAlignedLoss
 
 
 def first_wave_init(drafter: BlockDiffusionDrafter, target) -> None:
@@ -89,6 +90,7 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
     warm = max(1, args.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warm if s < warm else
                                                  0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, args.steps - warm))))
+    loss_fn = AcceptanceAlignedLoss(gamma=args.gamma)  # uniform CE, or positional decay exp(-(k-1)/gamma)
     generator, order, curve, norms, start = torch.Generator().manual_seed(args.seed), [], [], [], time.time()
     for step in tqdm(range(args.steps + 1), desc="bench_learning", unit="step"):
         if step % args.eval_every == 0 or step == args.steps:
@@ -106,7 +108,10 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
         anchors, amask = sample_anchors(b["prompt_len"], b["length"], args.num_anchors, generator)
         logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"])
         labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])
-        loss = F.cross_entropy(logits[mask], labels[mask])
+        if args.loss_slots:  # train on the first N slots only
+            mask = mask & (torch.arange(mask.shape[-1]) < args.loss_slots)
+        keep = mask.any(-1)  # (B, A): blocks with a label, flattened to (N, K, V) for the loss
+        loss, _ = loss_fn(logits[keep], labels[keep], mask[keep], None)
         optimizer.zero_grad()
         loss.backward()
         layers = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in drafter.layers.parameters() if p.grad is not None))
@@ -129,6 +134,8 @@ def main() -> None:
     p.add_argument("--num-anchors", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    p.add_argument("--gamma", type=float, default=None, help="positional decay rate (default: uniform CE)")
+    p.add_argument("--loss-slots", type=int, default=None, help="train on the first N slots only")
     p.add_argument("--init", choices=["current", "first_wave"], default="current")
     p.add_argument("--overfit", action="store_true", help="train and evaluate on one fixed batch")
     p.add_argument("--train-rows", type=int, default=None, help="use only the first N training rows")
