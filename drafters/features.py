@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from drafters.model import accepts_argument, target_fingerprint
+
 META = "meta.json"
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
@@ -72,18 +74,9 @@ def _encode(target, rows: Sequence[list[int]], layer_ids: Sequence[int], device)
         ids[b, : len(r)] = torch.as_tensor(r)
         mask[b, : len(r)] = 1
     out = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
-                 use_cache=False, **({"logits_to_keep": 1} if _keeps_logits(target) else {}))
+                 use_cache=False, **({"logits_to_keep": 1} if accepts_argument(target.forward, "logits_to_keep") else {}))
     states = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1).float().cpu()  # (B, S, L*H)
     return [states[b, : len(r)] for b, r in enumerate(rows)]
-
-
-def _keeps_logits(target) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(target.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | Path, *,
@@ -130,7 +123,6 @@ def ensure_features(target, data_dir: str | Path, target_layer_ids: Sequence[int
                     max_length: int | None = None, batch_size: int = 8, progress: bool = True) -> Path:
     """The feature cache of a regenerated data dir for these layers, computed first if missing."""
     from drafters.data import load_regenerated
-    from drafters.model import target_fingerprint
 
     root = features_dir(data_dir, target_layer_ids, dtype, max_length)
     if read_features_meta(root).get("complete"):

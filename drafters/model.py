@@ -169,6 +169,16 @@ def default_target_layer_ids(
     return tuple(sorted({round(1 + i * step) for i in range(n)}))
 
 
+def accepts_argument(fn: Any, name: str) -> bool:
+    """Whether ``fn`` takes a keyword ``name`` (e.g. a target's forward and ``logits_to_keep``)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _first_attr(config: Any, names: Sequence[str], default: Any = None) -> Any:
     for name in names:
         value = getattr(config, name, None)

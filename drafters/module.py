@@ -30,7 +30,6 @@ drafter's config, so resuming with another target or another drafter shape fails
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from drafters.data import sample_anchors
+from drafters.model import accepts_argument
 
 # ----------------------------------------------------------------------------- schedules
 
@@ -195,13 +195,6 @@ def register_output_recording(model: nn.Module) -> None:
 
 
 
-def _accepts(fn: Callable, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class DrafterLightningModule(L.LightningModule):
     """Training hooks and logging for a block drafter; the target is frozen and never saved.
 
@@ -239,7 +232,7 @@ class DrafterLightningModule(L.LightningModule):
         object.__setattr__(self, "target", target.eval().requires_grad_(False))
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.num_anchors, self.val_anchor_chunk, self.seed = num_anchors, val_anchor_chunk, seed
-        self._logits_to_keep = _accepts(target.forward, "logits_to_keep")
+        self._logits_to_keep = accepts_argument(target.forward, "logits_to_keep")
         self._val_sums: dict[str, torch.Tensor] = {}
 
     def __getstate__(self) -> dict:
