@@ -7,8 +7,8 @@ __all__ = ["BlockDiffusionDrafter", "DrafterConfig", "build_block_attention_mask
 
 # Training side (data, LightningModule), imported lazily: it pulls in Lightning and datasets.
 _TRAINING = {"RegenDataModule": "drafters.data", "collate": "drafters.data", "sample_anchors": "drafters.data",
-             "DrafterLightningModule": "drafters.module", "teacher_forced_tau": "drafters.module",
-             "warmup_cosine": "drafters.module"}
+             "DrafterLightningModule": "drafters.module", "teacher_forced_tau": "drafters.tau",
+             "warmup_cosine": "drafters.optim"}
 __all__ += ["DrafterLightningModule", "RegenDataModule", "collate", "sample_anchors", "teacher_forced_tau",
             "warmup_cosine"]
 

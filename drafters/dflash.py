@@ -36,7 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafters.model import CONFIG_NAME, WEIGHTS_NAME, BlockDiffusionDrafter, DrafterConfig, target_fingerprint
+from drafters.config import DrafterConfig, target_fingerprint
+from drafters.model import CONFIG_NAME, WEIGHTS_NAME, BlockDiffusionDrafter
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
@@ -117,9 +118,8 @@ def reads_final_output(cfg: DrafterConfig) -> bool:
     return cfg.target_fingerprint["num_hidden_layers"] in cfg.target_layer_ids
 
 
-def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: int | None = None,
-                  dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The DFlash ``config.json`` of ``drafter`` (refuses what DFlash cannot express)."""
+def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
+    """Raise :class:`DFlashFormatError` where DFlash cannot express ``drafter``; warn where vLLM cannot serve it."""
     cfg: DrafterConfig = drafter.config
     if not cfg.qk_norm:
         raise DFlashFormatError(
@@ -134,12 +134,19 @@ def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: in
         warnings.warn(FINAL_OUTPUT_WARNING.format(ids=list(cfg.target_layer_ids),
                                                   last=cfg.target_fingerprint["num_hidden_layers"],
                                                   dflash=cfg.target_fingerprint["num_hidden_layers"] - 1),
-                      stacklevel=3)
+                      stacklevel=4)
     scale = _embedding_scale(getattr(drafter, "_target", None))
     if scale != 1.0:
         raise DFlashFormatError(
             f"the target's input embedding scales its rows by {scale}: DFlash servers embed the block with "
             "the raw embedding weight (scale 1.0), so this drafter's inputs would differ")
+
+
+def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: int | None = None,
+                  dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The DFlash ``config.json`` of ``drafter`` (refuses what DFlash cannot express)."""
+    cfg: DrafterConfig = drafter.config
+    _check_exportable(drafter)
     if max_position_embeddings is None:
         target = getattr(drafter, "_target", None)
         limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
@@ -289,14 +296,8 @@ def _draft_value(raw: dict[str, Any], name: str, default: Any = None) -> Any:
     return (raw.get("dflash_config") or {}).get(name, raw.get(name, default))
 
 
-def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Path = Path(".")) -> DrafterConfig:
-    """The :class:`DrafterConfig` of a DFlash ``config.json`` (``raw``) for a target with ``target_config``.
-
-    The JSON is read through transformers' ``Qwen3Config``, as the reference reads it (so derived
-    fields such as ``layer_types`` and ``head_dim`` get the same defaults).
-    """
-    from transformers import Qwen3Config
-
+def _check_dflash_keys(raw: dict[str, Any], directory: Path) -> None:
+    """Refuse a DFlash ``config.json`` of another architecture or with settings blockdraft does not implement."""
     archs = raw.get("architectures")
     if archs != [ARCHITECTURE]:
         extra = " (DFlash2: dynamic convolutions and a candidate selector)" if archs and "DFlash2DraftModel" in archs else ""
@@ -317,7 +318,11 @@ def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Pa
             raise _refuse(directory, f"{name}={raw[name]} differs from {other}={raw.get(other)}; expected "
                                      f"{name}={raw.get(other)} (blockdraft drafters are as wide as the target "
                                      "and share its vocabulary)")
-    qc = Qwen3Config.from_dict(raw)
+
+
+def _check_layers(qc: Any, directory: Path) -> float:
+    """Refuse drafter layers that are not blockdraft's (SwiGLU, full bidirectional attention, plain RoPE);
+    returns the RoPE base theta. ``qc``: the config as transformers' ``Qwen3Config`` reads it."""
     if qc.hidden_act != "silu":
         raise _refuse(directory, f"hidden_act={qc.hidden_act!r}; expected 'silu' (blockdraft's SwiGLU MLP)")
     layer_types = list(getattr(qc, "layer_types", None) or ["full_attention"] * qc.num_hidden_layers)
@@ -333,7 +338,39 @@ def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Pa
         raise _refuse(directory, f"rope_parameters.rope_type={rope_type!r}; expected 'default' (plain RoPE)")
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _refuse(directory, f"partial_rotary_factor={rope['partial_rotary_factor']}; expected 1.0")
-    rope_theta = float(rope.get("rope_theta", getattr(qc, "rope_theta", 10000.0)))
+    return float(rope.get("rope_theta", getattr(qc, "rope_theta", 10000.0)))
+
+
+def _dflash_layer_ids(raw: dict[str, Any], num_layers: int, target_layers: int, directory: Path) -> list[int]:
+    """The DFlash target layer ids (hidden_states index - 1) of ``raw``, checked against the target's
+    ``target_layers`` layers (DFlash's default choice for ``num_layers`` drafter layers when absent)."""
+    layer_ids = _draft_value(raw, "target_layer_ids")
+    if layer_ids is None:
+        layer_ids = dflash_target_layer_ids(target_layers, num_layers)
+    layer_ids = [int(i) for i in layer_ids]
+    bad = [i for i in layer_ids if not 0 <= i < target_layers]
+    if bad:
+        raise _refuse(directory, f"dflash_config.target_layer_ids {bad} out of range for a target with "
+                                 f"{target_layers} layers; expected ids in 0..{target_layers - 1}")
+    eagle_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if eagle_ids and [int(i) for i in eagle_ids] != [i + 1 for i in layer_ids]:
+        raise _refuse(directory, f"eagle_aux_hidden_state_layer_ids={list(eagle_ids)} disagrees with "
+                                 f"dflash_config.target_layer_ids={layer_ids}; expected "
+                                 f"{[i + 1 for i in layer_ids]} (DFlash id + 1) or no such key")
+    return layer_ids
+
+
+def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Path = Path(".")) -> DrafterConfig:
+    """The :class:`DrafterConfig` of a DFlash ``config.json`` (``raw``) for a target with ``target_config``.
+
+    The JSON is read through transformers' ``Qwen3Config``, as the reference reads it (so derived
+    fields such as ``layer_types`` and ``head_dim`` get the same defaults).
+    """
+    from transformers import Qwen3Config
+
+    _check_dflash_keys(raw, directory)
+    qc = Qwen3Config.from_dict(raw)
+    rope_theta = _check_layers(qc, directory)
 
     fingerprint = target_fingerprint(target_config)
     target_layers = fingerprint["num_hidden_layers"]
@@ -346,19 +383,7 @@ def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Pa
     if num_target_layers is not None and int(num_target_layers) != target_layers:
         raise _refuse(directory, f"num_target_layers={num_target_layers} but the target has {target_layers} "
                                  f"layers; expected num_target_layers={target_layers}")
-    layer_ids = _draft_value(raw, "target_layer_ids")
-    if layer_ids is None:
-        layer_ids = dflash_target_layer_ids(target_layers, qc.num_hidden_layers)
-    layer_ids = [int(i) for i in layer_ids]
-    bad = [i for i in layer_ids if not 0 <= i < target_layers]
-    if bad:
-        raise _refuse(directory, f"dflash_config.target_layer_ids {bad} out of range for a target with "
-                                 f"{target_layers} layers; expected ids in 0..{target_layers - 1}")
-    eagle_ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    if eagle_ids and [int(i) for i in eagle_ids] != [i + 1 for i in layer_ids]:
-        raise _refuse(directory, f"eagle_aux_hidden_state_layer_ids={list(eagle_ids)} disagrees with "
-                                 f"dflash_config.target_layer_ids={layer_ids}; expected "
-                                 f"{[i + 1 for i in layer_ids]} (DFlash id + 1) or no such key")
+    layer_ids = _dflash_layer_ids(raw, qc.num_hidden_layers, target_layers, directory)
     mask_token_id = _draft_value(raw, "mask_token_id")
     if mask_token_id is None:
         raise _refuse(directory, "dflash_config.mask_token_id is missing; expected the id of the mask token")

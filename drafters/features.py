@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from drafters.model import accepts_argument, target_fingerprint
+from drafters.config import accepts_argument, target_fingerprint
 
 META = "meta.json"
 DTYPES = {"float16": np.float16, "float32": np.float32}

@@ -19,6 +19,9 @@ Training (:meth:`BlockDiffusionDrafter.forward_train`) and inference (:meth:`res
 :meth:`extend` / :meth:`draft` of the protocol in :mod:`verify.drafter`) go through the same two
 functions: :meth:`context_kv` (per-layer keys/values of context columns) and :meth:`block_logits`
 (the layers over the block slots).
+
+The config and what it reads from the target live in :mod:`drafters.config`, the layers in
+:mod:`drafters.layers`; this module holds the drafter and keeps their public names importable.
 """
 
 from __future__ import annotations
@@ -27,368 +30,29 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafters.attention import build_block_attention_mask
+from drafters.config import (
+    FINGERPRINT_KEYS,
+    DrafterConfig,
+    accepts_argument,
+    default_target_layer_ids,
+    first_attr,
+    target_final_norm_weight,
+    target_fingerprint,
+    target_sizes,
+)
+from drafters.layers import DrafterLayer, RMSNorm, copy_target_layers, draft_layer, rope_cos_sin
 from verify.rejection import sample_tokens, warp_probs
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
-MAX_DEFAULT_TARGET_LAYERS = 5
-# Values of DrafterConfig fields for saved configs that predate them (their drafters had no such part).
-LEGACY_DEFAULTS = {"qk_norm": False, "attention_bias": False}
-
-
-# --------------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class DrafterConfig:
-    """Everything needed to rebuild a drafter; saved as ``config.json`` next to the weights."""
-
-    block_size: int  # B: anchor slot + K = B - 1 drafted slots
-    num_layers: int
-    hidden_size: int  # must equal the target's hidden size (shared embedding and LM head)
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]  # indices into the target's hidden_states tuple (0 = embeddings)
-    target_fingerprint: dict[str, Any] = field(default_factory=dict)  # FINGERPRINT_KEYS of the target
-    # Qwen3 / DFlash layer details (what the DFlash serving format needs, drafters/dflash.py):
-    qk_norm: bool = True  # per-head RMSNorm of queries and keys (context keys included) before RoPE
-    attention_bias: bool = False  # biases on the q/k/v/o projections
-
-    def __post_init__(self) -> None:
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        missing = [k for k in FINGERPRINT_KEYS if k not in self.target_fingerprint]
-        if missing:
-            raise ValueError(f"target_fingerprint lacks {missing}; expected keys {list(FINGERPRINT_KEYS)}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if self.vocab_size != self.target_fingerprint["vocab_size"]:
-            raise ValueError(
-                f"vocab_size {self.vocab_size} != target vocab_size {self.target_fingerprint['vocab_size']}"
-            )
-        if self.hidden_size != self.target_fingerprint["hidden_size"]:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must equal the target's hidden size "
-                f"{self.target_fingerprint['hidden_size']} (the drafter shares its embedding and LM head)"
-            )
-        num_states = self.target_fingerprint["num_hidden_layers"] + 1
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must list at least one target layer")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < num_states]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} out of range: the target has {num_states} hidden states "
-                f"(0 = embeddings .. {num_states - 1} = last layer)"
-            )
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.block_size - 1
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
-        """Rebuild a saved config. Configs saved before a field existed get the behaviour they were
-        trained with (``LEGACY_DEFAULTS``: no q/k norm), not the defaults of new drafters."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown DrafterConfig keys {unknown}; known: {sorted(names)}")
-        return cls(**{**LEGACY_DEFAULTS, **d})
-
-
-def target_fingerprint(target_config: Any) -> dict[str, Any]:
-    """The fields of a target's config that a trained drafter depends on."""
-    sizes = _target_sizes(target_config)
-    return {
-        "model_type": getattr(target_config, "model_type", None) or type(target_config).__name__,
-        "vocab_size": sizes["vocab_size"],
-        "hidden_size": sizes["hidden_size"],
-        "num_hidden_layers": sizes["num_hidden_layers"],
-    }
-
-
-def target_final_norm_weight(target: nn.Module) -> torch.Tensor | None:
-    """The weight of the target's final norm (Llama/Qwen ``model.norm``, GPT-2 ``transformer.ln_f``)."""
-    base = getattr(target, "base_model", target)
-    for name in ("norm", "ln_f", "final_layernorm"):
-        module = getattr(base, name, None)
-        if module is not None and getattr(module, "weight", None) is not None:
-            return module.weight.detach()
-    return None
-
-
-def default_target_layer_ids(
-    num_hidden_layers: int, max_layers: int = MAX_DEFAULT_TARGET_LAYERS
-) -> tuple[int, ...]:
-    """Up to ``max_layers`` indices into the hidden_states tuple spread evenly over layers 1..L-1.
-
-    The last state (index L) is left out: Hugging Face returns it after the final norm, and serving
-    engines that capture layer inputs (vLLM) cannot produce it, so a drafter reading it could not be
-    served. On the tiny target, layers (1..5) and (1, 2, 4, 5, 6) train alike (slot-1 accuracy 0.225
-    vs 0.231 after 200 steps). A one-layer target has only its final state to offer.
-    """
-    last = max(1, num_hidden_layers - 1)
-    n = max(1, min(max_layers, last))
-    if n == 1:
-        return (last,)
-    step = (last - 1) / (n - 1)
-    return tuple(sorted({round(1 + i * step) for i in range(n)}))
-
-
-def accepts_argument(fn: Any, name: str) -> bool:
-    """Whether ``fn`` takes a keyword ``name`` (e.g. a target's forward and ``logits_to_keep``)."""
-    import inspect
-
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _first_attr(config: Any, names: Sequence[str], default: Any = None) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _rope_theta(config: Any) -> float:
-    """The target's RoPE base (transformers 5 keeps it in ``rope_parameters``), 10000 if it has none."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict):
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-        for sub in params.values():  # per-layer-type parameters, e.g. {"full_attention": {...}}
-            if isinstance(sub, dict) and "rope_theta" in sub:
-                return float(sub["rope_theta"])
-    return float(_first_attr(config, ["rope_theta"], 10000.0))
-
-
-def _target_sizes(config: Any) -> dict[str, Any]:
-    """Sizes read from a HF config (Llama/Qwen names, or GPT-2's n_embd / n_layer / n_head)."""
-    if hasattr(config, "get_text_config"):  # multimodal configs nest the language model's config
-        config = config.get_text_config()
-    hidden = _first_attr(config, ["hidden_size", "n_embd", "d_model"])
-    layers = _first_attr(config, ["num_hidden_layers", "n_layer"])
-    heads = _first_attr(config, ["num_attention_heads", "n_head"])
-    vocab = _first_attr(config, ["vocab_size"])
-    missing = [n for n, v in [("hidden_size", hidden), ("num_hidden_layers", layers),
-                              ("num_attention_heads", heads), ("vocab_size", vocab)] if v is None]
-    if missing:
-        raise ValueError(f"target config {type(config).__name__} lacks {missing}")
-    kv_heads = _first_attr(config, ["num_key_value_heads"], heads)
-    head_dim = _first_attr(config, ["head_dim"], hidden // heads)
-    return {
-        "hidden_size": int(hidden),
-        "num_hidden_layers": int(layers),
-        "num_heads": int(heads),
-        "num_kv_heads": int(kv_heads),
-        "head_dim": int(head_dim),
-        "intermediate_size": int(_first_attr(config, ["intermediate_size", "n_inner"], 4 * hidden)),
-        "rms_norm_eps": float(_first_attr(config, ["rms_norm_eps", "layer_norm_epsilon"], 1e-6)),
-        "rope_theta": _rope_theta(config),
-        "vocab_size": int(vocab),
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# Layers
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., H)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of shape (Bt, N, head_dim) for absolute positions (Bt, N) (half-split layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    freqs = positions.float().unsqueeze(-1) * inv_freq  # (Bt, N, d/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (Bt, N, d)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (Bt, h, N, d) by cos/sin (Bt, N, d)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
-class DrafterAttention(nn.Module):
-    """Block queries attend to [context keys/values, block keys/values] under a boolean mask."""
-
-    def __init__(self, cfg: DrafterConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
-        # Qwen3's per-head RMSNorm over head_dim, applied to queries and keys before RoPE.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
-        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
-
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated keys and values (Bt, h_kv, N, d) of x (Bt, N, H) at the positions of cos/sin."""
-        k = self._heads(self.k_proj(x), self.num_kv_heads)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        v = self._heads(self.v_proj(x), self.num_kv_heads)
-        return apply_rope(k, cos, sin), v
-
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        # x (Bt, N, H) normalised block states; ctx_k/ctx_v (Bt, h_kv, S, d); mask (Bt, 1, N, S + N)
-        q = self._heads(self.q_proj(x), self.num_heads)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)  # (Bt, h, N, d)
-        k, v = self.key_value(x, cos, sin)  # (Bt, h_kv, N, d)
-        k = torch.cat([ctx_k, k], dim=2)  # (Bt, h_kv, S + N, d)
-        v = torch.cat([ctx_v, v], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
-        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N, h*d)
-        return self.o_proj(out)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DrafterLayer(nn.Module):
-    """Pre-norm Llama layer whose attention also reads the context keys/values."""
-
-    def __init__(self, cfg: DrafterConfig) -> None:
-        super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = DrafterAttention(cfg)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # x (Bt, N, H) -> (Bt, N, H)
-        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attn_norm(x))
-
-
-# Drafter layer parameter -> the same parameter of a Llama/Qwen-style target decoder layer.
-_TARGET_LAYER_NAMES = {
-    "input_norm.weight": "input_layernorm.weight",
-    "post_attn_norm.weight": "post_attention_layernorm.weight",
-    **{f"attn.{n}_proj.{w}": f"self_attn.{n}_proj.{w}" for n in "qkvo" for w in ("weight", "bias")},
-    **{f"attn.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"},
-    **{f"mlp.{n}_proj.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")},
-}
-
-
-def copy_target_layers(drafter: nn.Module, target: nn.Module) -> int:
-    """Warm start: drafter layer i <- the target's decoder layer i (its first layers), where names and
-    shapes match (a Llama target has no q/k norm: those keep their init). Block slots enter as token
-    embeddings, the input the target's first layers were trained on. Returns the tensors copied."""
-    base = getattr(target, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or len(layers) < len(drafter.layers):
-        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {len(drafter.layers)} "
-                         f"decoder layers at target.model.layers; {type(target).__name__} has none or fewer")
-    copied = 0
-    with torch.no_grad():
-        for i, layer in enumerate(drafter.layers):
-            theirs = dict(layers[i].named_parameters())
-            for name, param in layer.named_parameters():
-                source = theirs.get(_TARGET_LAYER_NAMES.get(name, ""))
-                if source is None:
-                    continue
-                if source.shape != param.shape:
-                    raise ValueError(f"init_layers_from_target: drafter layers.{i}.{name} {tuple(param.shape)} "
-                                     f"!= target layer {i} {tuple(source.shape)}")
-                param.copy_(source.float())
-                copied += 1
-    return copied
-
-
-def _draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int, mask, skip_anchor: bool):
-    """:meth:`DrafterLayer.forward` for one block per row at inference (x (B, N, H), N = block size).
-
-    The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
-    ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
-    the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1,
-    start + N) is shared by all slots. With ``skip_anchor`` (the last layer) the queries, the MLP
-    and the returned states are slots 1..N-1 only: no head reads the anchor slot's output.
-    """
-    attn = layer.attn
-    h = layer.input_norm(x)
-    k, v = attn.key_value(h, cos, sin)  # (B, h_kv, N, d)
-    end = start + x.shape[1]
-    k_buffer[:, :, start:end] = k
-    v_buffer[:, :, start:end] = v
-    keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
-    if skip_anchor:
-        h, x, cos, sin = h[:, 1:].contiguous(), x[:, 1:], cos[:, 1:], sin[:, 1:]
-    q = attn._heads(attn.q_proj(h), attn.num_heads)
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    q = apply_rope(q, cos, sin)  # (B, h, N', d)
-    groups = attn.num_heads // attn.num_kv_heads
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, h, N', d)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-    return x + layer.mlp(layer.post_attn_norm(x))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,12 +128,12 @@ class BlockDiffusionDrafter(nn.Module):
         tcfg = getattr(target, "config", None)
         if tcfg is None:
             raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
-        sizes = _target_sizes(tcfg)
+        sizes = target_sizes(tcfg)
         fingerprint = target_fingerprint(tcfg)
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(sizes["num_hidden_layers"])
         if mask_token_id is None:
-            mask_token_id = _first_attr(tcfg, ["mask_token_id"], sizes["vocab_size"] - 1)
+            mask_token_id = first_attr(tcfg, ["mask_token_id"], sizes["vocab_size"] - 1)
         fields = {k: v for k, v in sizes.items() if k != "num_hidden_layers"}
         fields.update(block_size=block_size, num_layers=num_layers, target_layer_ids=tuple(target_layer_ids),
                       mask_token_id=int(mask_token_id), target_fingerprint=fingerprint)
@@ -810,7 +474,7 @@ class BlockDiffusionDrafter(nn.Module):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, self._kv_buffers)):
-            x = _draft_layer(layer, x, cos, sin, k_buffer, v_buffer, c, mask, skip_anchor=i == last)
+            x = draft_layer(layer, x, cos, sin, k_buffer, v_buffer, c, mask, skip_anchor=i == last)
         return self.norm(x)  # (B, K, H): the last layer kept slots 1..K only
 
     def _head(self, states: torch.Tensor) -> torch.Tensor:  # (B, n, H) -> (B, n, V) float32
@@ -926,4 +590,6 @@ def _from_checkpoint(cls, target: nn.Module, path: str | Path, *, block_size: in
     return drafter
 
 
-__all__ = ["BlockDiffusionDrafter", "DrafterConfig", "default_target_layer_ids", "target_fingerprint"]
+# Re-exported: importable from drafters.model as before drafters.config and drafters.layers existed.
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "BlockDiffusionDrafter", "DrafterConfig", "accepts_argument",
+           "default_target_layer_ids", "target_final_norm_weight", "target_fingerprint"]

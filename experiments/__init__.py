@@ -1,21 +1,19 @@
-"""Hydra entry points and data loaders of blockdraft (run as ``python -m experiments.<name>``)."""
-
-import hashlib
-import json
+"""blockdraft's experiments: thin entry points (``python -m experiments.<name>``: ``main``, ``regenerate``,
+``train``, ``evaluate``, ``report``, ``export``, ``train_target``, ``target_quality``, ``train_assistant``;
+benchmarks ``python -m experiments.bench.<name>``) over the library packages :mod:`experiments.data`,
+:mod:`experiments.pipeline` and :mod:`experiments.reporting`. Importing the package registers the
+config resolvers below.
+"""
 
 from omegaconf import OmegaConf
 
-from experiments.target import asset_path
-
-
-def settings_hash(*parts) -> str:
-    """A short stable hash of config values (DictConfig/ListConfig/str/...), for cache folder names."""
-    plain = [OmegaConf.to_container(p, resolve=True) if OmegaConf.is_config(p) else p for p in parts]
-    return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
+from experiments.data.hashing import settings_hash
+from experiments.data.target import asset_path
 
 # ${asset:tiny_target} -> absolute path of a file shipped with the package (works installed too);
 # ${settings_hash:${target.path},${data.generation}} names the regenerated-data cache folder.
 for _name, _fn in (("asset", asset_path), ("settings_hash", settings_hash)):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)
+
+__all__ = ["settings_hash"]

@@ -2,8 +2,8 @@
 
 A small causal LM with the target's vocabulary, trained on the response tokens of the drafters'
 regenerated data and exported in Hugging Face format with the target's tokenizer and a model card
-(see :mod:`experiments.assistant`; settings in ``conf/train_assistant.yaml``). The run dir is fixed per
-target, so the same command resumes from ``checkpoints/last.ckpt``. Evaluate the result with
+(see :mod:`experiments.pipeline.assistant`; settings in ``conf/train_assistant.yaml``). The run dir is
+fixed per target, so the same command resumes from ``checkpoints/last.ckpt``. Evaluate the result with
 ``python -m experiments.evaluate drafter=ar_assistant drafter.path=<export dir>``.
 """
 
@@ -12,18 +12,17 @@ from __future__ import annotations
 import os
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import experiments  # noqa: F401  (registers the ${asset:...} and ${settings_hash:...} resolvers)
-from experiments.assistant import run
+from experiments.pipeline.assistant import train_assistant
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_assistant")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run(cfg, list(HydraConfig.get().overrides.task))
+    train_assistant(cfg, list(HydraConfig.get().overrides.task))
 
 
 if __name__ == "__main__":

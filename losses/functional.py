@@ -126,6 +126,24 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
+def _soft_chunk(rows: slice, p, x, e, S, accept, tiny, lse, argmax, soft_ce, log_accept, aux_s, aux_q) -> None:
+    """The soft-label statistics of one chunk of rows in :class:`_SlotStatsFunction`'s forward, written
+    in place: soft CE and, with ``accept``, the log acceptance and the backward's auxiliaries.
+    ``p`` (c, V) the target's probabilities, ``x`` the logits, ``e`` = exp(x - max) (overwritten by
+    ``accept="sample"``), ``S`` its row sums."""
+    soft_ce[rows] = lse[rows] - torch.linalg.vecdot(p, x)
+    if accept == "greedy":
+        chosen = p.gather(-1, argmax[rows].unsqueeze(-1)).squeeze(-1)  # p(argmax q)
+        log_accept[rows] = chosen.clamp_min(tiny).log()
+        aux_s[rows] = torch.linalg.vecdot(e, p) / S  # Σ q p
+    elif accept == "sample":
+        q = e.div_(S.unsqueeze(-1))
+        A = torch.minimum(q, p).sum(-1)
+        log_accept[rows] = A.clamp_min(tiny).log()
+        aux_s[rows] = A
+        aux_q[rows] = torch.where(q < p, q, 0.0).sum(-1)
+
+
 class _SlotStatsFunction(torch.autograd.Function):
     """Chunked softmax statistics over rows of logits (R, V). See :func:`slot_statistics`.
 
@@ -185,20 +203,9 @@ class _SlotStatsFunction(torch.autograd.Function):
                 e = d.exp_()  # (c, V) = q · S
                 S = e.sum(-1)  # (c,)
                 lse[a:b] = S.log() + m
-                if probs is None:
-                    continue
-                p = probs[a:b].to(cdtype)  # (c, V)
-                soft_ce[a:b] = lse[a:b] - torch.linalg.vecdot(p, x)
-                if accept == "greedy":
-                    chosen = p.gather(-1, argmax[a:b].unsqueeze(-1)).squeeze(-1)  # p(argmax q)
-                    log_accept[a:b] = chosen.clamp_min(tiny).log()
-                    aux_s[a:b] = torch.linalg.vecdot(e, p) / S  # Σ q p
-                elif accept == "sample":
-                    q = e.div_(S.unsqueeze(-1))
-                    A = torch.minimum(q, p).sum(-1)
-                    log_accept[a:b] = A.clamp_min(tiny).log()
-                    aux_s[a:b] = A
-                    aux_q[a:b] = torch.where(q < p, q, 0.0).sum(-1)
+                if probs is not None:
+                    _soft_chunk(slice(a, b), probs[a:b].to(cdtype), x, e, S, accept, tiny,
+                                lse, argmax, soft_ce, log_accept, aux_s, aux_q)
             x_y = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(cdtype)  # (R,)
             nll = lse - x_y
             if with_correct and with_argmax:

@@ -1,4 +1,4 @@
-"""experiments.train_assistant / experiments.assistant: the ar_assistant baseline's training code path on a
+"""experiments.train_assistant / experiments.pipeline.assistant: the ar_assistant baseline's training code path on a
 tiny random target (a few CPU steps), resume, export, and its use through verify.AssistantDrafter."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from test_train import run_main, save_target
 
 from drafters.data import write_meta, write_shard
-from experiments import assistant as asst
 from experiments import train_assistant
+from experiments.pipeline import assistant as asst
 from verify import AssistantDrafter, speculative_generate, target_generate
 
 PROMPT_LENGTHS = [5, 9, 3, 7, 4, 6, 8, 5, 6, 4, 7, 3]
@@ -24,7 +24,7 @@ SMALL_MODEL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A random target and 'regenerated' data: its own greedy answers to random prompts."""
-    from experiments.target import load_target
+    from experiments.data.target import load_target
 
     root = tmp_path_factory.mktemp("assistant")
     save_target(root / "target")
@@ -105,7 +105,7 @@ def test_response_labels_and_leading_correct():
 def test_replayed_tau_is_the_online_tau(env):
     """On the target's greedy answers, val/tau_greedy equals speculative_generate's τ at T=0, row by row."""
     from drafters.data import collate
-    from drafters.module import greedy_walk
+    from drafters.tau import greedy_walk
 
     target = env["target"]
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

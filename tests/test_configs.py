@@ -52,7 +52,7 @@ def test_evaluation_drafters_compose(choice):
     """``experiments.evaluate drafter=<choice>``: every evaluation drafter names a builder; the baselines
     need no path (ar_assistant defaults to the shipped assistant) and name their report row."""
     cfg = _compose("evaluate", [f"drafter={choice}"])
-    assert cfg.drafter._target_ == f"experiments.eval_drafters.{'block_drafter' if choice == 'block' else choice}"
+    assert cfg.drafter._target_ == f"experiments.pipeline.eval_drafters.{'block_drafter' if choice == 'block' else choice}"
     if choice == "block":
         assert OmegaConf.is_missing(cfg.drafter, "path") and cfg.drafter.name is None
     else:

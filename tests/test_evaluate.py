@@ -12,9 +12,12 @@ import pytest
 import torch
 from conftest import tiny_target
 
-import experiments.evaluate as ev
+import experiments.evaluate as ev_cli
+import experiments.pipeline.evaluation as ev
 from drafters.model import BlockDiffusionDrafter
-from experiments.suites import Prompt
+from experiments.data.suites import Prompt
+from experiments.pipeline.records import TIMING_KEYS
+from experiments.pipeline.settings import DecodingSettings
 
 K = 3  # block size 4
 MAX_NEW = 6
@@ -24,7 +27,7 @@ CHAT = [["Hello there, how are you?", "And what is 2 + 3?"], ["Tell me a joke."]
 
 
 def _tokenizer():
-    from experiments.tokenizer import train_tokenizer
+    from experiments.data.tokenizer import train_tokenizer
 
     texts = CODE + [t for turns in CHAT for t in turns] + ["The answer is 5. Fine, thank you."]
     return train_tokenizer(texts * 10, vocab_size=300, min_frequency=1)
@@ -64,7 +67,7 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(assets):
     """One evaluate() call without Hydra, on both suites at T=0 and T=1, recording every decoding call."""
-    from experiments.target import load_target
+    from experiments.data.target import load_target
 
     target, tok = load_target(str(assets / "target"))
     drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
@@ -80,8 +83,9 @@ def results(assets):
     mp = pytest.MonkeyPatch()
     mp.setattr(ev, "speculative_generate", spy)
     try:
-        out = ev.evaluate(target, tok, drafter, _suites(), temperatures=[0.0, 1.0], max_new_tokens=MAX_NEW,
-                          batch_size=2, max_prompt_tokens=BUDGET, num_bootstrap=200, progress=False)
+        settings = DecodingSettings(temperatures=(0.0, 1.0), max_new_tokens=MAX_NEW, batch_size=2,
+                                    max_prompt_tokens=BUDGET, num_bootstrap=200, progress=False)
+        out = ev.evaluate(target, tok, drafter, _suites(), settings)
     finally:
         mp.undo()
     return out, tok, calls
@@ -113,7 +117,7 @@ def test_evaluate_fields(results):
             assert e["target_new_tokens"] == e["num_turns"] * MAX_NEW
             assert e["greedy_match"] == (1.0 if key == "t0" else None)  # exactness at T=0
             json.dumps(e)  # serialisable
-    from experiments.suites import encode_prompt
+    from experiments.data.prompts import encode_prompt
 
     long = sum(len(encode_prompt(tok, [t], [])) > BUDGET for t in CODE)
     assert long == 1 and out["code"]["t0"]["truncated_prompts"] == long
@@ -121,7 +125,7 @@ def test_evaluate_fields(results):
 
 def test_second_turn_follows_own_answer(results):
     """Turn 2 is asked after the model's own turn-1 answer from the same speculative run."""
-    from experiments.suites import encode_prompt
+    from experiments.data.prompts import encode_prompt
 
     out, tok, calls = results
     turns = CHAT[0]
@@ -146,23 +150,24 @@ def test_logged_metric_names():
 
 
 def test_errors(results, assets):
-    from experiments.target import load_target
+    from experiments.data.target import load_target
 
     target, tok = load_target(str(assets / "target"))
     drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
     with pytest.raises(ValueError, match="suite 'code' is empty"):
-        ev.evaluate(target, tok, drafter, {"code": []}, progress=False)
+        ev.evaluate(target, tok, drafter, {"code": []}, DecodingSettings(progress=False))
     with pytest.raises(ValueError, match="no suites"):
-        ev.evaluate(target, tok, drafter, {}, progress=False)
+        ev.evaluate(target, tok, drafter, {}, DecodingSettings(progress=False))
     with pytest.raises(ValueError, match="exceeds the target's 128 positions"):
-        ev.evaluate(target, tok, drafter, _suites(), max_new_tokens=64, max_prompt_tokens=100, progress=False)
+        ev.evaluate(target, tok, drafter, _suites(), DecodingSettings(max_new_tokens=64, max_prompt_tokens=100,
+                                                                      progress=False))
 
 
 # ----------------------------------------------------------------------------- Hydra entry point
 
 
 def _overrides(assets, run_dir, drafter="drafter"):
-    chat = f"{{_target_:experiments.suites.load_jsonl,_convert_:all,path:'{assets / 'chat.jsonl'}'," \
+    chat = f"{{_target_:experiments.data.suites.load_jsonl,_convert_:all,path:'{assets / 'chat.jsonl'}'," \
            "prompt_field:turns,name:chat}"
     return [
         "target=hf", f"target.path={assets / 'target'}", f"drafter.path={assets / drafter}",
@@ -180,7 +185,7 @@ def _compose(overrides):
 
 
 def _untimed(doc):
-    return {s: {k: {f: v for f, v in e.items() if f not in ev.TIMING_KEYS} for k, e in entries.items()}
+    return {s: {k: {f: v for f, v in e.items() if f not in TIMING_KEYS} for k, e in entries.items()}
             for s, entries in doc["results"].items()}
 
 
@@ -195,7 +200,7 @@ def hydra_run(assets, tmp_path_factory):
     mp.setenv("HYDRA_FULL_ERROR", "1")
     mp.setattr(sys, "argv", argv)
     try:
-        ev.main()
+        ev_cli.main()
     finally:
         mp.undo()
     return run_dir
@@ -232,13 +237,13 @@ def test_resume_after_kill(hydra_run, assets, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ev, "evaluate_suite", dying)
     with pytest.raises(KeyboardInterrupt):
-        ev.run(cfg)
+        ev.run_evaluation(cfg)
     partial = json.loads((run_dir / "results.json").read_text())
     assert {s: list(v) for s, v in partial["results"].items()} == {"jsonl": ["t0"]}
 
     calls.clear()
     monkeypatch.setattr(ev, "evaluate_suite", lambda *a, **kw: calls.append(kw["suite"]) or real(*a, **kw))
-    doc = ev.run(cfg)
+    doc = ev.run_evaluation(cfg)
     assert len(calls) == 3  # jsonl/t0 was skipped
     fresh = json.loads((hydra_run / "results.json").read_text())
     assert _untimed(doc) == _untimed(fresh)
@@ -257,22 +262,22 @@ def test_resume_after_kill(hydra_run, assets, tmp_path, monkeypatch):
     assert (tmp_path / "report" / "tau.png").stat().st_size > 0
 
     calls.clear()
-    ev.run(cfg)  # everything done: nothing runs
+    ev.run_evaluation(cfg)  # everything done: nothing runs
     assert calls == []
     other = _compose(_overrides(assets, run_dir) + ["max_new_tokens=5"])
     with pytest.raises(ValueError, match="settings.max_new_tokens: 6 -> 5"):
-        ev.run(other)
+        ev.run_evaluation(other)
 
 
 def test_entry_point_errors(assets, tmp_path):
     with pytest.raises(FileNotFoundError, match="drafter.path=.*no such directory"):
-        ev.run(_compose(_overrides(assets, tmp_path / "a", drafter="missing")))
+        ev.run_evaluation(_compose(_overrides(assets, tmp_path / "a", drafter="missing")))
     with pytest.raises(ValueError, match="does not fit target.path=.*hidden_size: drafter was built for 48"):
-        ev.run(_compose(_overrides(assets, tmp_path / "b", drafter="other")))
+        ev.run_evaluation(_compose(_overrides(assets, tmp_path / "b", drafter="other")))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(Exception, match="suite 'jsonl': no prompts"):  # the loader's error (wrapped by Hydra)
-        ev.run(_compose(_overrides(assets, tmp_path / "c") + [f"suite.jsonl.path={empty}"]))
+        ev.run_evaluation(_compose(_overrides(assets, tmp_path / "c") + [f"suite.jsonl.path={empty}"]))
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -287,7 +292,7 @@ def baseline_runs(assets, tmp_path_factory):
     docs = {}
     for choice, extra in (("prompt_lookup", []), ("ar_assistant", [f"drafter.path={assets / 'assistant'}"])):
         overrides = [o for o in _overrides(assets, runs / choice) if not o.startswith("drafter.path=")]
-        docs[choice] = ev.run(_compose([*overrides, f"drafter={choice}", *extra]))
+        docs[choice] = ev.run_evaluation(_compose([*overrides, f"drafter={choice}", *extra]))
     return runs, docs
 
 
@@ -326,10 +331,10 @@ def test_baseline_errors(assets, tmp_path):
     other.save_pretrained(tmp_path / "small_vocab")
     base = [o for o in _overrides(assets, tmp_path / "a") if not o.startswith("drafter.path=")]
     with pytest.raises(ValueError, match="does not fit target.path=.*outputs 64 tokens, the target 300"):
-        ev.run(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'small_vocab'}"]))
+        ev.run_evaluation(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'small_vocab'}"]))
     with pytest.raises(FileNotFoundError, match="drafter.path=.*no such directory"):
-        ev.run(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'missing'}"]))
+        ev.run_evaluation(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'missing'}"]))
     with pytest.raises(ValueError, match="min_ngram"):
-        ev.run(_compose([*base, "drafter=prompt_lookup", "drafter.min_ngram=4"]))
+        ev.run_evaluation(_compose([*base, "drafter=prompt_lookup", "drafter.min_ngram=4"]))
     with pytest.raises(TypeError, match="not an evaluation drafter"):
-        ev.run(_compose([*base, "drafter=dflash"]))  # training's drafter group: refused with a clear error
+        ev.run_evaluation(_compose([*base, "drafter=dflash"]))  # training's drafter group: refused with a clear error

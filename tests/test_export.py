@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from drafters import BlockDiffusionDrafter
 from experiments import export
+from experiments.pipeline.export import export_for_serving
 
 pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state")
 
@@ -76,15 +77,15 @@ def test_export_writes_dflash_layout_and_card(tmp_path):
 
 def test_card_without_results_and_bad_arguments(tmp_path):
     run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target", with_results=False)
-    out = export.run(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
+    out = export_for_serving(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
                                        "target": "Org/Model", "dtype": None, "max_position_embeddings": None}))
     card = (out / "README.md").read_text()
     assert "τ: not measured" in card and "vllm serve Org/Model" in card
     with pytest.raises(ValueError, match="dtype='int8'"):
-        export.run(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
+        export_for_serving(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
                                      "target": None, "dtype": "int8", "max_position_embeddings": None}))
     with pytest.raises(FileNotFoundError, match="no such directory"):
-        export.run(OmegaConf.create({"drafter": {"path": str(tmp_path / "nowhere")}, "out": str(tmp_path / "o"),
+        export_for_serving(OmegaConf.create({"drafter": {"path": str(tmp_path / "nowhere")}, "out": str(tmp_path / "o"),
                                      "target": None, "dtype": None, "max_position_embeddings": None}))
 
 
@@ -96,5 +97,5 @@ def test_export_imports_no_other_entry_point():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     entry_points = {f"experiments.{m}" for m in ("train", "evaluate", "regenerate", "report", "main",
-                                                 "train_target", "target_quality", "bench_verify")}
+                                                 "train_target", "target_quality", "bench.verify")}
     assert not imported & entry_points, imported & entry_points

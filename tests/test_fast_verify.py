@@ -11,9 +11,11 @@ from scipy.stats import chisquare
 from transformers.cache_utils import DynamicLayer
 
 from drafters import BlockDiffusionDrafter
-from experiments.step_profile import Variant, profile_decode, summarize_steps
+from experiments.bench.step_profile import Variant, profile_decode, summarize_steps
 from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy, warp_probs
-from verify.generate import _growing_layer_class, _is_plain_head, _new_cache, _verify_greedy_lazy
+from verify.generate import _is_plain_head, _verify_greedy_lazy
+from verify.hf import new_growing_kv_cache
+from verify.kv_cache import GrowingLayer
 
 
 def hf_greedy(target, ids, mask, max_new_tokens, eos_token_id=None):
@@ -28,7 +30,7 @@ def hf_greedy(target, ids, mask, max_new_tokens, eos_token_id=None):
 def test_growing_layer_matches_dynamic_layer():
     """Appends, crops and row selections give the keys/values DynamicLayer's concatenation gives."""
     generator = torch.Generator().manual_seed(0)
-    grow, plain = _growing_layer_class()(reserve=3), DynamicLayer()
+    grow, plain = GrowingLayer(reserve=3), DynamicLayer()
     batch = 4
     for step, (n, crop, select) in enumerate([(5, 0, None), (4, -2, None), (1, 0, [3, 0, 1]), (30, -7, [2, 0]),
                                               (3, -3, None), (2, 0, None)]):
@@ -52,8 +54,8 @@ def test_growing_layer_matches_dynamic_layer():
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 def test_new_cache_appends_in_place(family):
     target = tiny_target(family, vocab_size=64, seed=1)
-    cache = _new_cache(target, reserve=8)
-    assert cache.layers and all(type(layer) is _growing_layer_class() for layer in cache.layers)
+    cache = new_growing_kv_cache(target, reserve=8)
+    assert cache.layers and all(type(layer) is GrowingLayer for layer in cache.layers)
 
 
 # ----------------------------------------------------------------------------- lazy LM head

@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_target
 from test_module import make_module
 
+from drafters.blocks import select_blocks
 from drafters.data import RegenDataModule, collate, write_meta, write_shard
 from drafters.features import FeatureStore, compute_features, ensure_features, features_dir
 
@@ -100,7 +101,7 @@ def test_training_step_on_cached_features_equals_a_target_forward(target, tmp_pa
     def step(b):
         module.drafter.zero_grad()
         states, logits = module.context_states(b, full_logits=False)
-        out = module._blocks(b, states, logits, torch.Generator().manual_seed(0))
+        out = select_blocks(module.drafter, b, states, logits, module.num_anchors, torch.Generator().manual_seed(0))
         loss, _ = module.loss(*out)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in module.drafter.parameters()]

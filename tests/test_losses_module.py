@@ -8,6 +8,8 @@ import hydra.utils
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from losses import (
@@ -267,27 +269,59 @@ def test_bad_options_name_the_key():
 # Hydra configs
 
 
+# Every key of every loss choice as `experiments.train loss=<name>` resolves it (recorded before the
+# files inherited uniform.yaml); a changed default fails here.
+UNIFORM = {"_target_": "losses.AcceptanceAlignedLoss", "gamma": None, "schedule": "exp", "focal_weight": 0.0,
+           "focal_gamma": 2.0, "focal_norm": "blocks", "chain_weight": 0.0, "dpace": False, "dpace_alpha": 0.5,
+           "soft": False, "draft_sampling": "greedy", "chunk_size": None}
 EXPECTED = {
-    "uniform": {"gamma": None, "focal_weight": 0.0, "chain_weight": 0.0, "dpace": False, "soft": False},
-    "decay": {"gamma": 7.0, "focal_weight": 0.0, "chain_weight": 0.0},
-    "focal": {"gamma": None, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 0.0},
-    "chain": {"gamma": None, "focal_weight": 0.0, "chain_weight": 40.0},
-    "decay_focal": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 0.0},
-    "l2r_all": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0, "soft": False},
-    "dpace": {"gamma": None, "dpace": True, "dpace_alpha": 0.5, "focal_weight": 0.0, "chain_weight": 0.0},
-    "soft_all": {"gamma": 7.0, "focal_weight": 0.3, "focal_gamma": 2.0, "chain_weight": 40.0, "soft": True,
-                     "draft_sampling": "greedy"},
+    "uniform": UNIFORM,
+    "decay": {**UNIFORM, "gamma": 7.0},
+    "focal": {**UNIFORM, "focal_weight": 0.3},
+    "chain": {**UNIFORM, "chain_weight": 40.0},
+    "decay_focal": {**UNIFORM, "gamma": 7.0, "focal_weight": 0.3},
+    "l2r_all": {**UNIFORM, "gamma": 7.0, "focal_weight": 0.3, "chain_weight": 40.0},
+    "dpace": {**UNIFORM, "dpace": True},
+    "soft_all": {**UNIFORM, "gamma": 7.0, "focal_weight": 0.3, "chain_weight": 40.0, "soft": True},
 }
+
+
+def _compose(config_dir: Path, name: str, overrides: list[str] | None = None):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides or [])
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_loss_configs_resolve_to_their_values(name):
+    """Composed as a choice of the train config's loss group and on its own (its folder as the config
+    folder), each file resolves to every recorded value, in uniform.yaml's key order."""
+    for cfg in (_compose(CONF.parent, "train", [f"loss={name}"]).loss, _compose(CONF, name)):
+        assert OmegaConf.to_container(cfg) == EXPECTED[name]
+        assert list(cfg) == list(UNIFORM)
+
+
+def test_experiments_keep_their_loss_values():
+    """Experiment files that pick a loss or override its keys still resolve to the same loss."""
+    cases = [(["experiment=qwen3_gpu"], {**UNIFORM, "gamma": 7.0}),
+             (["experiment=qwen3_gpu", "loss=l2r_all"], EXPECTED["l2r_all"]),
+             (["experiment=l2r_sweep_gamma"], EXPECTED["decay"]),
+             (["experiment=l2r_sweep_gamma", "loss.gamma=2"], {**EXPECTED["decay"], "gamma": 2}),
+             (["experiment=l2r_sweep_focal"], EXPECTED["focal"]),
+             (["experiment=l2r_sweep_chain"], EXPECTED["chain"])]
+    for overrides, expected in cases:
+        cfg = _compose(CONF.parent, "train", overrides)
+        assert OmegaConf.to_container(cfg.loss) == expected, overrides
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_loss_configs_instantiate(name):
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
-    assert cfg._target_ == "losses.AcceptanceAlignedLoss"
+    cfg = _compose(CONF.parent, "train", [f"loss={name}"]).loss
     module = hydra.utils.instantiate(cfg)
     assert isinstance(module, AcceptanceAlignedLoss)
     for key, value in EXPECTED[name].items():
-        assert getattr(module, key) == value, key
+        if key != "_target_":
+            assert getattr(module, key) == value, key
     logits, labels, mask, probs = batch()
     loss, comps = module(logits, labels, mask, probs if module.soft else None)
     loss.backward()

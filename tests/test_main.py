@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hydra import compose, initialize_config_module
 
-from experiments import main as main_job
+from experiments.pipeline import main_job
 
 
 def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch):
@@ -20,7 +20,7 @@ def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch)
             (tmp_path / "report" / "report.md").write_text("table\n")
 
     monkeypatch.setattr(main_job, "stage", fake_stage)
-    log = main_job.run(cfg)
+    log = main_job.run_main_job(cfg)
     names = [c[0] for c in calls]
     assert names == ["regenerate", "train uniform", "evaluate uniform", "train l2r_all", "evaluate l2r_all",
                      "evaluate prompt_lookup", "evaluate ar_assistant", "report"]

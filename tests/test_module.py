@@ -12,7 +12,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from drafters import BlockDiffusionDrafter
 from drafters.data import RegenDataModule, collate, write_meta, write_shard
-from drafters.module import DrafterLightningModule, greedy_walk, teacher_forced_tau, warmup_cosine
+from drafters.module import DrafterLightningModule
+from drafters.optim import warmup_cosine
+from drafters.tau import greedy_walk, teacher_forced_tau
 from losses import AcceptanceAlignedLoss
 from verify import speculative_generate, target_generate
 

@@ -5,11 +5,14 @@ training curves, --names / --baseline, errors, and offline W&B logging."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from experiments import report as rp
+from experiments import report as report_cli
+from experiments import reporting as rp
+from experiments.pipeline.records import training_run_info
 from verify.metrics import bootstrap_ci
 
 K = 3
@@ -75,7 +78,7 @@ def _gain(c, u):
 def test_report_end_to_end(multirun, tmp_path):
     root, uniform, chain = multirun
     out = tmp_path / "out"
-    report = rp.main([str(root), "--out", str(out), "--num-bootstrap", "300"])
+    report = report_cli.main([str(root), "--out", str(out), "--num-bootstrap", "300"])
     for name in ("report.md", "report.json", "tau.png", "gain.png", "position_acceptance.png", "accept_hist.png",
                  "training_curves.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -139,23 +142,23 @@ def test_overlap_mark_and_no_records(tmp_path):
 
 def test_names_baseline_and_errors(multirun, tmp_path, capsys):
     root, _, _ = multirun
-    report = rp.main([str(root), "--out", str(tmp_path / "a"), "--names", "A", "B", "--num-bootstrap", "50"])
+    report = report_cli.main([str(root), "--out", str(tmp_path / "a"), "--names", "A", "B", "--num-bootstrap", "50"])
     assert report["baseline"] is None and "no configuration named 'uniform'" in capsys.readouterr().out
     assert "### Gain" not in (tmp_path / "a" / "report.md").read_text()
     assert not (tmp_path / "a" / "gain.png").exists()
-    report = rp.main([str(root), "--out", str(tmp_path / "b"), "--names", "A", "B", "--baseline", "B",
+    report = report_cli.main([str(root), "--out", str(tmp_path / "b"), "--names", "A", "B", "--baseline", "B",
                       "--num-bootstrap", "50"])
     assert report["table"]["t0"]["code"]["A"]["gain"] == pytest.approx(1 / 1.5 - 1)
     with pytest.raises(ValueError, match="--names gives 1 names for 2 results files"):
-        rp.main([str(root), "--out", str(tmp_path / "c"), "--names", "A"])
+        report_cli.main([str(root), "--out", str(tmp_path / "c"), "--names", "A"])
     with pytest.raises(ValueError, match="baseline configuration 'nope'"):
-        rp.main([str(root), "--out", str(tmp_path / "c"), "--baseline", "nope"])
+        report_cli.main([str(root), "--out", str(tmp_path / "c"), "--baseline", "nope"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no results.json found"):
-        rp.main([str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
+        report_cli.main([str(tmp_path / "empty"), "--out", str(tmp_path / "c")])
     (tmp_path / "bad.json").write_text(json.dumps({"tau": 1}))
     with pytest.raises(TypeError, match="not an experiments.evaluate results.json"):
-        rp.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "c")])
+        report_cli.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "c")])
 
 
 def test_names_from_training_run_and_duplicates(tmp_path):
@@ -172,12 +175,12 @@ def test_names_from_training_run_and_duplicates(tmp_path):
         (tmp_path / f"eval{seed}" / "results.json").write_text(json.dumps(doc))
     runs = rp.load_runs([tmp_path / "eval0", tmp_path / "eval1"])
     assert [r.name for r in runs] == ["decay-s0", "decay-s1"]
-    assert rp.training_run_info(tmp_path / "train/s1")["seed"] == 1
+    assert training_run_info(tmp_path / "train/s1")["seed"] == 1
 
 
 def test_wandb_offline(multirun, tmp_path):
     root, _, _ = multirun
-    report = rp.main([str(root), "--out", str(tmp_path / "w"), "--num-bootstrap", "50", "--wandb"])
+    report = report_cli.main([str(root), "--out", str(tmp_path / "w"), "--num-bootstrap", "50", "--wandb"])
     assert list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert report["wandb_dir"].startswith(str(tmp_path / "w"))
 
@@ -197,7 +200,7 @@ def test_seeds_aggregated(tmp_path):
                 f"step,val/tau_greedy\n0,1.0\n100,{1.2 + seed / 10 + (loss == 'chain') / 10}\n")
             (d / "results.json").write_text(json.dumps(doc))
     out = tmp_path / "out"
-    report = rp.main([str(tmp_path / "sweep"), "--out", str(out), "--num-bootstrap", "100"])
+    report = report_cli.main([str(tmp_path / "sweep"), "--out", str(out), "--num-bootstrap", "100"])
     names = [c["name"] for c in report["configurations"]]
     assert names == ["uniform-s0", "uniform-s1", "chain-s0", "chain-s1"]  # baseline first, seeds in order
     assert {c["name"]: (c["config"], c["seed"]) for c in report["configurations"]}["chain-s1"] == ("chain", 1)
@@ -236,13 +239,13 @@ def test_seeds_aggregated(tmp_path):
 
 
 def test_single_seed_has_no_seed_section(multirun, tmp_path):
-    report = rp.main([str(multirun[0]), "--out", str(tmp_path / "o"), "--num-bootstrap", "20"])
+    report = report_cli.main([str(multirun[0]), "--out", str(tmp_path / "o"), "--num-bootstrap", "20"])
     assert report["across_seeds"] is None
     assert "Across seeds" not in (tmp_path / "o" / "report.md").read_text()
 
 
 def test_order_runs():
-    runs = [rp.Run(n, rp.Path(n), {"results": {}}, config=c, seed=sd)
+    runs = [rp.Run(n, Path(n), {"results": {}}, config=c, seed=sd)
             for n, c, sd in [("b-s1", "b", 1), ("a", "a", None), ("u-s1", "u", 1), ("b-s0", "b", 0), ("u-s0", "u", 0),
                              ("c", "c", None)]]
     assert [r.name for r in rp.order_runs(runs, ["c", "b"], "u")] == ["u-s0", "u-s1", "c", "b-s0", "b-s1", "a"]

@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from test_train import run_main, save_target
+from test_train import offline_env, run_main, save_target
 
 from drafters import locks
 from drafters.data import load_regenerated
@@ -51,10 +51,7 @@ def start_holder(folder, seconds: float, src: str = "") -> subprocess.Popen:
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("safety")
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in {"BLOCKDRAFT_RUNS": root / "runs", "BLOCKDRAFT_CACHE": root / "cache",
-                           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
-                           "TOKENIZERS_PARALLELISM": "false"}.items():
-            mp.setenv(key, str(value))
+        offline_env(mp, root)
         target = save_target(root / "target")
         base = ["target=hf", f"target.path={target}", "experiment=smoke"]
         run_main(regenerate, [*base, "suite=[humaneval,gsm_symbolic]"])
@@ -150,8 +147,8 @@ def test_bad_numbers_name_their_key(env):
 
 
 def test_damaged_drafter_and_target_files_are_named(env, tmp_path):
-    from experiments.eval_drafters import block_drafter
-    from experiments.target import load_target
+    from experiments.data.target import load_target
+    from experiments.pipeline.eval_drafters import block_drafter
 
     run_main(train, [*env["base"], "name=files"])
     target, _ = load_target(str(env["target"]))
@@ -192,7 +189,7 @@ def test_evaluation_is_redone_when_the_drafter_changed(env):
     assert results["drafter"]["weights_sha256"] != first["drafter"]["weights_sha256"]
     assert [json.loads(p.read_text()) for p in run_dir.glob("results.replaced-*.json")] == [first]  # kept
     # the standalone evaluation refuses to resume results of other weights
-    from experiments.evaluate import check_resumable
+    from experiments.pipeline.records import check_resumable
 
     with pytest.raises(ValueError, match="drafter.weights_sha256"):
         check_resumable(first, results, run_dir / "results.json")

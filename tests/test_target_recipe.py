@@ -11,10 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from experiments import corpora
-from experiments.target import TINY_TARGET_DIR, load_target
-from experiments.target_quality import distinct_n, repeated_ngram_share
-from experiments.tokenizer import train_tokenizer
+from experiments.data import corpora
+from experiments.data.target import TINY_TARGET_DIR, load_target
+from experiments.data.tokenizer import train_tokenizer
+from experiments.pipeline.target_quality import distinct_n, repeated_ngram_share
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -74,7 +74,8 @@ def test_validation_split_is_stable_and_small():
 
 
 def test_training_prompts_are_disjoint_from_the_suites():
-    from experiments.suites import assert_disjoint, load_gsm_symbolic, load_humaneval
+    from experiments.data.decontamination import assert_disjoint
+    from experiments.data.suites import load_gsm_symbolic, load_humaneval
 
     prompts = corpora.training_prompts(per_source=200)
     texts = {d: [p["messages"][-1]["content"] for p in prompts if p["domain"] == d] for d in ("code", "reasoning")}
@@ -119,7 +120,7 @@ def _recipe_cfg(tmp_path, max_steps):
 
 
 def test_recipe_trains_exports_and_resumes(tmp_path):
-    from experiments.train_target import run
+    from experiments.pipeline.target_training import train_target as run
 
     export = run(_recipe_cfg(tmp_path, 4))
     first = json.loads((export / "training.json").read_text())

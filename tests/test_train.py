@@ -17,6 +17,9 @@ from omegaconf import OmegaConf
 from drafters import BlockDiffusionDrafter
 from drafters.data import finished_ids, read_meta, shard_dirs
 from experiments import regenerate, train
+from experiments.data.decontamination import check_disjoint
+from experiments.data.prompts import as_messages
+from experiments.pipeline.regeneration import needs_regeneration
 
 TEXTS = [
     "Hello, how are you today? I am fine, thank you.",
@@ -30,7 +33,7 @@ def save_target(path, hidden: int = 32, seed: int = 0):
     """A random Llama with a small byte-level BPE tokenizer (chat template included), saved to ``path``."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from experiments.tokenizer import train_tokenizer
+    from experiments.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(TEXTS, vocab_size=300)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
@@ -54,14 +57,19 @@ def run_main(module, args: list[str]):
         module.main()
 
 
+def offline_env(mp: pytest.MonkeyPatch, root, **extra) -> None:
+    """A test's runs and caches under ``root``, no hub, W&B offline (plus ``extra`` variables)."""
+    for key, value in {"BLOCKDRAFT_RUNS": root / "runs", "BLOCKDRAFT_CACHE": root / "cache", "HF_HUB_OFFLINE": "1",
+                       "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
+                       **extra}.items():
+        mp.setenv(key, str(value))
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in {"BLOCKDRAFT_RUNS": root / "runs", "BLOCKDRAFT_CACHE": root / "cache",
-                           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
-                           "WANDB_DIR": root / "wandb", "TOKENIZERS_PARALLELISM": "false"}.items():
-            mp.setenv(key, str(value))
+        offline_env(mp, root, WANDB_DIR=root / "wandb")
         target = save_target(root / "target")
         base = ["target=hf", f"target.path={target}", "experiment=smoke"]
         run_main(regenerate, [*base, "suite=[humaneval,gsm_symbolic]", "shard_size=5"])
@@ -98,15 +106,15 @@ def test_regenerate_writes_a_resumable_cached_dataset(env):
 
 
 def test_prompts_overlapping_a_suite_fail_loudly():
-    from experiments.suites import load_humaneval
+    from experiments.data.suites import load_humaneval
 
-    prompts = [regenerate.as_messages(p) for p in load_humaneval(limit=2)]
+    prompts = [as_messages(p) for p in load_humaneval(limit=2)]
     prompts.append(("dialogue/x", "dialogue", [{"role": "user", "content": "Hello there, how are you?"}]))
-    suites = OmegaConf.create({"humaneval": {"_target_": "experiments.suites.load_humaneval"}})
+    suites = OmegaConf.create({"humaneval": {"_target_": "experiments.data.suites.load_humaneval"}})
     decon = OmegaConf.create({"ngram": 13, "min_chars": 20, "exact_only_domains": ["reasoning"]})
     with pytest.raises(ValueError, match="overlap the evaluation suites"):
-        regenerate.check_disjoint(prompts, suites, decon)
-    assert regenerate.check_disjoint(prompts[2:], suites, decon) == 164
+        check_disjoint(prompts, suites, decon)
+    assert check_disjoint(prompts[2:], suites, decon) == 164
 
 
 # ----------------------------------------------------------------------------- train
@@ -124,7 +132,7 @@ def test_train_end_to_end_and_resume(env):
     assert summary["steps"] == 6 and summary["resumed_from_step"] is None
     assert summary["data_dir"] == str(env["data_dir"]) and 1.0 <= summary["val"]["val/tau_greedy"] <= 4.0
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-    from experiments.target import load_target
+    from experiments.data.target import load_target
 
     target, _ = load_target(str(env["target"]))
     drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=target)
@@ -181,11 +189,11 @@ def test_train_regenerates_missing_data(env):
 
     own = env["root"] / "own"
     shutil.copytree(fresh / "shards", own / "shards")
-    assert not regenerate.needs_regeneration(own)
-    assert regenerate.needs_regeneration(env["root"] / "nothing_here")
+    assert not needs_regeneration(own)
+    assert needs_regeneration(env["root"] / "nothing_here")
     meta = read_meta(fresh)
     (fresh / "regen.json").write_text(json.dumps({**meta, "complete": False}))
-    assert regenerate.needs_regeneration(fresh)
+    assert needs_regeneration(fresh)
 
 
 def test_train_then_evaluate(env):

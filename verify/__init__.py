@@ -1,7 +1,8 @@
 """Exact speculative decoding: rejection-sampling verifier, decoding loops, drafter protocol, metrics."""
 
-from verify.drafter import AssistantDrafter, Drafter, PromptLookupDrafter, output_vocab_size, truncated_copy
+from verify.drafter import AssistantDrafter, Drafter, PromptLookupDrafter, truncated_copy
 from verify.generate import SpeculativeOutput, TargetOutput, speculative_generate, target_generate
+from verify.hf import max_positions, new_kv_cache, output_vocab_size
 from verify.metrics import (
     accept_histogram,
     bootstrap_ci,
@@ -20,6 +21,8 @@ __all__ = [
     "TargetOutput",
     "accept_histogram",
     "bootstrap_ci",
+    "max_positions",
+    "new_kv_cache",
     "output_vocab_size",
     "position_acceptance",
     "sample_tokens",

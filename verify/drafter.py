@@ -32,6 +32,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from verify.hf import max_positions, new_kv_cache, output_vocab_size
 from verify.rejection import sample_tokens, warp_probs
 
 
@@ -81,41 +82,6 @@ class Drafter(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows listed in ``rows`` (B',) long, in that order."""
-
-
-def output_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the model's output distribution (the LM head's size, else ``config.vocab_size``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and getattr(head, "weight", None) is not None:
-        return int(head.weight.shape[0])
-    return int(model.config.get_text_config().vocab_size)
-
-
-def max_positions(model: torch.nn.Module) -> int | None:
-    """The model's position limit (``max_position_embeddings`` / ``n_positions``), or None if it has none."""
-    config = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    return None
-
-
-def new_kv_cache(model: torch.nn.Module):
-    """An empty ``DynamicCache`` for ``model``, checked to support the column layout.
-
-    Sliding-window and linear-attention layers are refused: their caches cannot be rolled back
-    after a rejection, and a window over columns (holes included) is not the model's window.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    if any(cache.is_sliding) or any(getattr(cache, "is_linear", [])) or not cache.is_croppable:
-        raise ValueError(
-            f"{type(model).__name__} uses sliding-window or linear-attention cache layers, which the "
-            "speculative verifier cannot crop; use a model with full attention in every layer"
-        )
-    return cache
 
 
 class AssistantDrafter:

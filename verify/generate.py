@@ -11,14 +11,14 @@ EOS or ``max_new_tokens``.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from verify.drafter import Drafter, max_positions, new_kv_cache, output_vocab_size
+from verify.drafter import Drafter
+from verify.hf import max_positions, new_growing_kv_cache, output_vocab_size
 from verify.metrics import summarize
 from verify.rejection import verify_block, verify_greedy, warp_probs
 
@@ -119,81 +119,6 @@ class _NoClock:
         pass
 
 
-@functools.cache
-def _growing_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        """A ``DynamicLayer`` whose keys/values are views of a buffer with spare columns.
-
-        ``DynamicLayer.update`` concatenates, which copies the layer's whole cache at every step; here
-        an update writes the new columns in place and ``crop`` only moves the end, so a step costs
-        what it appends. A full buffer grows by a quarter (at least ``reserve`` columns).
-        """
-
-        def __init__(self, reserve: int = 0):
-            super().__init__()
-            self.reserve = reserve
-            self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-            self._length = 0
-
-        def lazy_initialization(self, key_states, value_states) -> None:
-            super().lazy_initialization(key_states, value_states)
-            self._buffers, self._length = None, 0
-
-        def _set_views(self) -> None:
-            self.keys = self._buffers[0][..., : self._length, :]
-            self.values = self._buffers[1][..., : self._length, :]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            start, end = self._length, self._length + key_states.shape[-2]
-            if self._buffers is None or end > self._buffers[0].shape[-2]:
-                capacity = end + max(self.reserve, end // 4, 16)
-                grown = []
-                for old, states in zip(self._buffers or (None, None), (key_states, value_states)):
-                    buffer = states.new_empty(*states.shape[:-2], capacity, states.shape[-1])
-                    if old is not None and start > 0:
-                        buffer[..., :start, :] = old[..., :start, :]
-                    grown.append(buffer)
-                self._buffers = (grown[0], grown[1])
-            self._buffers[0][..., start:end, :] = key_states
-            self._buffers[1][..., start:end, :] = value_states
-            self._length = end
-            self._set_views()
-            return self.keys, self.values
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)
-            if self.is_initialized and self._buffers is not None:
-                self._length = self.keys.shape[-2]
-
-        def reset(self) -> None:
-            super().reset()
-            self._buffers, self._length = None, 0
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            if self.is_initialized and self._buffers is not None:
-                self._buffers = (self._buffers[0][indices], self._buffers[1][indices])
-                self._set_views()
-
-    return GrowingLayer
-
-
-def _new_cache(target, reserve: int):
-    """:func:`verify.drafter.new_kv_cache` with its full-attention layers appending in place
-    (see ``GrowingLayer``); caches of other layouts (older transformers) are returned as they are."""
-    cache = new_kv_cache(target)
-    layers = getattr(cache, "layers", None)
-    if isinstance(layers, list) and layers:
-        from transformers.cache_utils import DynamicLayer
-
-        growing = _growing_layer_class()
-        cache.layers = [growing(reserve) if type(layer) is DynamicLayer else layer for layer in layers]
-    return cache
-
-
 def _is_plain_head(head, logits: torch.Tensor, final: torch.Tensor) -> bool:
     """Whether ``logits`` (B, V) are ``head(final)`` for final hidden states (B, H): no logit scaling or
     soft-capping after the output embedding, so the verifier may apply the head itself."""
@@ -241,170 +166,236 @@ def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, 
     return num_accepted, next_token
 
 
+class _TargetPass:
+    """The target's forward over new columns against its KV cache, returning what the loop needs.
+
+    ``lazy``: the greedy verifier applies the LM head itself, lazily, where the target's logits are
+    plain head(final hidden state) (checked on the prefill's logits, see :func:`_prefill`); the
+    forward then computes no logits and returns the final hidden states instead.
+    """
+
+    def __init__(self, target, drafter, reserve: int, lazy: bool, device: torch.device):
+        self.target = target
+        self.layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self.position_limit = max_positions(target)
+        self.head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+        self.lazy = lazy and self.head is not None
+        self.no_logits = torch.zeros(0, dtype=torch.long, device=device)  # logits_to_keep: none
+        self.cache = new_growing_kv_cache(target, reserve)
+
+    def __call__(self, ids, mask, positions, **kwargs):  # (B, n), (B, C + n), (B, n)
+        """``(logits, hidden (the drafter's layers) or None, final hidden states or None)``."""
+        if self.position_limit is not None:
+            positions = positions.clamp(max=self.position_limit - 1)  # only slots beyond a row's cap
+        out = self.target(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=bool(self.layer_ids) or self.lazy,
+            **kwargs,
+        )
+        hidden = tuple(out.hidden_states[i] for i in self.layer_ids) if self.layer_ids else None
+        final = out.hidden_states[-1] if self.lazy else None
+        return out.logits, hidden, final
+
+
+@dataclass
+class _Live:
+    """Decoding state of the rows still in the batch, in batch order (finished rows leave it)."""
+
+    rows: list[int]  # original index of each live row
+    mask: torch.Tensor  # (B, C) the target cache's columns: 1 committed, 0 hole
+    anchor: torch.Tensor  # (B,) each row's last committed token, not in the cache yet
+    anchor_pos: torch.Tensor  # (B,) its position
+    remaining: torch.Tensor  # (B,) new tokens each row may still emit
+    remaining_list: list[int]  # the same, on the host
+    hidden: tuple[torch.Tensor, ...] | None = None  # the drafter's target layers at the last block
+    accepted_mean: float = 1.0  # running mean of the drafts kept per row: the lazy head's first chunk
+
+
+@dataclass
+class _Step:
+    """One verification step of the live rows."""
+
+    block: torch.Tensor  # (B, W + 1) [anchor, d_1..d_W]
+    slots: torch.Tensor  # (W + 1,) 0..W
+    num_accepted: torch.Tensor  # (B,) drafts kept
+    next_token: torch.Tensor  # (B,) the correction or bonus token: the row's next anchor
+
+
+def _prefill(run: _TargetPass, drafter, input_ids, attention_mask, max_new_tokens: int) -> _Live:
+    """Run x_1..x_{t-1} through the target and the drafter; x_t is every row's anchor (the prompt is
+    left-padded)."""
+    batch_size, prompt_len = input_ids.shape
+    mask = attention_mask[:, :-1]  # (B, C) the target cache's columns: 1 committed, 0 hole
+    prefix_pos = (mask.cumsum(dim=1) - 1).clamp_min(0)  # (B, C)
+    hidden = None
+    if prompt_len > 1:
+        logits, hidden, final = run(input_ids[:, :-1], mask, prefix_pos, logits_to_keep=1)
+        if run.lazy:
+            run.lazy = final is not None and _is_plain_head(run.head, logits[:, -1], final[:, -1])
+    elif run.layer_ids:
+        width = run.target.config.get_text_config().hidden_size
+        hidden = tuple(torch.zeros(batch_size, 0, width, device=input_ids.device) for _ in run.layer_ids)
+    if drafter is not None:
+        drafter.reset(batch_size)
+        drafter.extend(input_ids[:, :-1], mask, prefix_pos, hidden)
+    remaining = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=input_ids.device)
+    return _Live(list(range(batch_size)), mask, input_ids[:, -1], attention_mask.sum(dim=1) - 1, remaining,
+                 [max_new_tokens] * batch_size)
+
+
+def _draft(drafter, live: _Live, num_drafts: int, temperature, top_k, top_p, generator):
+    """``(drafts (B, W) long, q (B, W, V) or None)``: the drafter's proposal, cut to what a row can
+    still keep; (B, 0) and None without a drafter."""
+    rows = len(live.rows)
+    if drafter is None:
+        return live.anchor.new_zeros(rows, 0), None
+    drafts, q = drafter.draft(
+        live.anchor, live.anchor_pos, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
+    # A drafter may return fewer than K drafts (the same number for every row), e.g. when it
+    # is unsure of the later ones: verifying a prefix of the drafts is still exact.
+    if (drafts.ndim != 2 or drafts.shape[0] != rows or drafts.shape[1] > num_drafts
+            or (q is not None and q.shape[:2] != drafts.shape)):
+        raise ValueError(
+            f"drafter returned tokens {tuple(drafts.shape)} / q {None if q is None else tuple(q.shape)}; "
+            f"expected ({rows}, <= {num_drafts}) tokens and the same leading shape for q (B, K, V)"
+        )
+    # No row can keep more than `remaining` tokens: verifying more drafts is wasted work.
+    width = min(drafts.shape[1], max(live.remaining_list))
+    return drafts[:, :width].long(), (q[:, :width] if q is not None else None)
+
+
+def _verify(run: _TargetPass, live: _Live, drafts, q, slots, temperature, top_k, top_p, generator,
+            clock) -> _Step:
+    """The target's forward over ``[anchor, d_1..d_W]`` and the kept prefix of every row."""
+    width = drafts.shape[1]
+    block = torch.cat([live.anchor.unsqueeze(1), drafts], dim=1)  # (B, W + 1) [anchor, d_1..d_W]
+    block_mask = torch.cat([live.mask, torch.ones_like(block)], dim=1)  # (B, C + W + 1)
+    positions = live.anchor_pos.unsqueeze(1) + slots  # (B, W + 1)
+    if run.lazy:
+        _, live.hidden, final = run(block, block_mask, positions, logits_to_keep=run.no_logits)
+    else:
+        logits, live.hidden, _ = run(block, block_mask, positions)
+    clock.lap("target_forward")
+    if run.lazy:
+        first = min(width + 1, 2 + math.ceil(live.accepted_mean))
+        num_accepted, next_token = _verify_greedy_lazy(drafts, final, run.head, first)  # (B,), (B,)
+    elif temperature == 0:  # same result as verify_block on one-hot p, without sampling
+        num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)
+    else:
+        p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
+        num_accepted, next_token = verify_block(drafts, q, p, generator)  # (B,), (B,)
+    clock.lap("verify")
+    return _Step(block, slots, num_accepted, next_token)
+
+
+def _emit(live: _Live, step: _Step, eos: torch.Tensor, out: _Decoded) -> tuple[list[int], list[int]]:
+    """Append each row's emitted tokens d_1..d_n, next (truncated at the first EOS and at the row's
+    budget) and kept-draft count to ``out``; returns per row (done, drafts accepted)."""
+    live_rows, width = step.block.shape[0], step.block.shape[1] - 1
+    emitted = torch.cat([step.block[:, 1:], step.block.new_zeros(live_rows, 1)], dim=1)  # (B, W + 1)
+    emitted.scatter_(1, step.num_accepted.unsqueeze(1), step.next_token.unsqueeze(1))
+    kept = torch.minimum(step.num_accepted + 1, live.remaining)  # (B,)
+    if eos.numel() > 0:
+        is_eos = torch.isin(emitted, eos) & (step.slots <= step.num_accepted.unsqueeze(1))  # (B, W + 1)
+        first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), width + 1)  # (B,)
+        kept = torch.minimum(kept, first_eos + 1)
+        done = (kept == live.remaining) | (first_eos < kept)  # (B,)
+    else:
+        done = kept == live.remaining
+    live.remaining = live.remaining - kept
+    # One transfer to the host per step: kept, kept drafts, done, accepted drafts per row.
+    kept_list, counted_list, done_list, accepted_list = torch.stack(
+        [kept, torch.minimum(step.num_accepted, kept), done.long(), step.num_accepted]
+    ).tolist()
+    emitted_list = emitted.tolist()
+    for i, row in enumerate(live.rows):
+        out.new_tokens[row].extend(emitted_list[i][: kept_list[i]])
+        out.accepted_counts[row].append(counted_list[i])
+    live.accepted_mean = 0.7 * live.accepted_mean + 0.3 * sum(accepted_list) / live_rows
+    live.remaining_list = [r - k for r, k in zip(live.remaining_list, kept_list)]
+    return done_list, accepted_list
+
+
+def _drop_finished(live: _Live, step: _Step, done_list, accepted_list, cache, drafter) -> list[int]:
+    """Remove the finished rows from the state, the step, the cache and the drafter; returns the
+    accepted counts of the rows left."""
+    keep = [i for i, d in enumerate(done_list) if not d]
+    live.rows = [live.rows[i] for i in keep]
+    if not live.rows:
+        return []
+    live.remaining_list = [live.remaining_list[i] for i in keep]
+    keep_idx = torch.tensor(keep, dtype=torch.long, device=step.block.device)  # (B',)
+    cache.batch_select_indices(keep_idx)
+    if drafter is not None:
+        drafter.select_rows(keep_idx)
+    live.mask, live.anchor_pos = live.mask[keep_idx], live.anchor_pos[keep_idx]
+    live.remaining = live.remaining[keep_idx]
+    step.block, step.num_accepted = step.block[keep_idx], step.num_accepted[keep_idx]
+    step.next_token = step.next_token[keep_idx]
+    live.hidden = tuple(h[keep_idx] for h in live.hidden) if live.hidden is not None else None
+    return [accepted_list[i] for i in keep]
+
+
+def _advance(live: _Live, step: _Step, accepted_list: list[int], cache, drafter, clock) -> None:
+    """Keep the columns [anchor, d_1..d_n], n = the largest accepted count among live rows (rows that
+    kept fewer get holes), hand them to the drafter, and move every anchor to its next token."""
+    n = max(accepted_list)
+    cache.crop(n - (step.block.shape[1] - 1))
+    new_mask = (step.slots[: n + 1] <= step.num_accepted.unsqueeze(1)).long()  # (B, n + 1)
+    new_pos = live.anchor_pos.unsqueeze(1) + step.slots[: n + 1]  # (B, n + 1)
+    clock.lap("crop")
+    if drafter is not None:
+        hidden = tuple(h[:, : n + 1] for h in live.hidden) if live.hidden is not None else None
+        drafter.extend(step.block[:, : n + 1], new_mask, new_pos, hidden)
+        clock.lap("drafter_extend")
+    live.mask = torch.cat([live.mask, new_mask], dim=1)
+    live.anchor = step.next_token
+    live.anchor_pos = live.anchor_pos + step.num_accepted + 1
+    clock.lap("bookkeeping")
+
+
 @torch.inference_mode()
 def _decode(
     target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator,
     clock=None, lazy_head: bool | None = None,
 ) -> _Decoded:
+    """The decoding loop: prefill, then draft, verify, emit, drop finished rows, advance (see the
+    module docstring). ``lazy_head`` (default: on CPU) lets the greedy verifier apply the LM head."""
     start = time.perf_counter()
     clock = clock if clock is not None else _NoClock()
     batch_size, prompt_len = input_ids.shape
-    device = input_ids.device
     num_drafts = drafter.num_draft_tokens if drafter is not None else 0
-    layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
-    want_hidden = len(layer_ids) > 0
-    position_limit = max_positions(target)
-    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    # The greedy verifier applies the LM head itself, lazily, where the target's logits are plain
-    # head(final hidden state): checked on the prefill's logits below.
-    if lazy_head is None:
-        lazy_head = device.type == "cpu"
-    lazy = bool(lazy_head) and temperature == 0 and drafter is not None and head is not None and prompt_len > 1
-    no_logits = torch.zeros(0, dtype=torch.long, device=device)  # logits_to_keep: none
-
-    def run_target(ids, mask, positions, **kwargs):  # (B, n), (B, C + n), (B, n)
-        if position_limit is not None:
-            positions = positions.clamp(max=position_limit - 1)  # only slots beyond a row's cap
-        out = target(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=want_hidden or lazy,
-            **kwargs,
-        )
-        hidden = tuple(out.hidden_states[i] for i in layer_ids) if want_hidden else None
-        final = out.hidden_states[-1] if lazy else None
-        return out.logits, hidden, final
-
-    # Prefill x_1..x_{t-1}; x_t is every row's anchor (the prompt is left-padded).
-    cache = _new_cache(target, reserve=max_new_tokens + num_drafts + 1)
-    mask = attention_mask[:, :-1]  # (B, C) the target cache's columns: 1 committed, 0 hole
-    prefix_pos = (mask.cumsum(dim=1) - 1).clamp_min(0)  # (B, C)
-    hidden = None
-    if prompt_len > 1:
-        logits, hidden, final = run_target(input_ids[:, :-1], mask, prefix_pos, logits_to_keep=1)
-        if lazy:
-            lazy = final is not None and _is_plain_head(head, logits[:, -1], final[:, -1])
-    elif want_hidden:
-        width = target.config.get_text_config().hidden_size
-        hidden = tuple(torch.zeros(batch_size, 0, width, device=device) for _ in layer_ids)
-    if drafter is not None:
-        drafter.reset(batch_size)
-        drafter.extend(input_ids[:, :-1], mask, prefix_pos, hidden)
+    lazy = input_ids.device.type == "cpu" if lazy_head is None else bool(lazy_head)
+    lazy = lazy and temperature == 0 and drafter is not None and prompt_len > 1
+    run = _TargetPass(target, drafter, max_new_tokens + num_drafts + 1, lazy, input_ids.device)
+    live = _prefill(run, drafter, input_ids, attention_mask, max_new_tokens)
     clock.lap("prefill")
     clock.next_step()
-
-    anchor = input_ids[:, -1]  # (B,)
-    anchor_pos = attention_mask.sum(dim=1) - 1  # (B,)
-    rows = list(range(batch_size))  # original index of each live row
-    remaining = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)  # (B,)
-    remaining_list = [max_new_tokens] * batch_size
-    new_tokens: list[list[int]] = [[] for _ in range(batch_size)]
-    accepted_counts: list[list[int]] = [[] for _ in range(batch_size)]
-    all_slots = torch.arange(num_drafts + 1, device=device)  # (K + 1,)
-    check_eos = eos.numel() > 0
-    accepted_mean = 1.0  # running mean of the drafts kept per row: the lazy head's first chunk
-    num_forwards = 0
-    while rows:
-        live = len(rows)
+    out = _Decoded([[] for _ in range(batch_size)], [[] for _ in range(batch_size)], 0, 0.0)
+    all_slots = torch.arange(num_drafts + 1, device=input_ids.device)  # (K + 1,)
+    while live.rows:
+        drafts, q = _draft(drafter, live, num_drafts, temperature, top_k, top_p, generator)
         if drafter is not None:
-            drafts, q = drafter.draft(
-                anchor, anchor_pos, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-            )
-            # A drafter may return fewer than K drafts (the same number for every row), e.g. when it
-            # is unsure of the later ones: verifying a prefix of the drafts is still exact.
-            if (drafts.ndim != 2 or drafts.shape[0] != live or drafts.shape[1] > num_drafts
-                    or (q is not None and q.shape[:2] != drafts.shape)):
-                raise ValueError(
-                    f"drafter returned tokens {tuple(drafts.shape)} / q {None if q is None else tuple(q.shape)}; "
-                    f"expected ({live}, <= {num_drafts}) tokens and the same leading shape for q (B, K, V)"
-                )
-            # No row can keep more than `remaining` tokens: verifying more drafts is wasted work.
-            width = min(drafts.shape[1], max(remaining_list))
-            drafts = drafts[:, :width].long()
-            q = q[:, :width] if q is not None else None
             clock.lap("draft")
-        else:
-            width = 0
-            drafts, q = anchor.new_zeros(live, 0), None
-        slots = all_slots[: width + 1]  # (W + 1,)
-        block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)  # (B, W + 1) [anchor, d_1..d_W]
-        block_mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # (B, C + W + 1)
-        positions = anchor_pos.unsqueeze(1) + slots  # (B, W + 1)
-        if lazy:
-            _, hidden, final = run_target(block, block_mask, positions, logits_to_keep=no_logits)
-        else:
-            logits, hidden, _ = run_target(block, block_mask, positions)
-        num_forwards += 1
-        clock.lap("target_forward")
-        if lazy:
-            first = min(width + 1, 2 + math.ceil(accepted_mean))
-            num_accepted, next_token = _verify_greedy_lazy(drafts, final, head, first)  # (B,), (B,)
-        elif temperature == 0:  # same result as verify_block on one-hot p, without sampling
-            num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)
-        else:
-            p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
-            num_accepted, next_token = verify_block(drafts, q, p, generator)  # (B,), (B,)
-        clock.lap("verify")
-
-        # Emitted tokens d_1..d_n, next; truncated at the first EOS and at the row's budget.
-        emitted = torch.cat([drafts, drafts.new_zeros(live, 1)], dim=1)  # (B, W + 1)
-        emitted.scatter_(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
-        kept = torch.minimum(num_accepted + 1, remaining)  # (B,)
-        if check_eos:
-            is_eos = torch.isin(emitted, eos) & (slots <= num_accepted.unsqueeze(1))  # (B, W + 1)
-            first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), width + 1)  # (B,)
-            kept = torch.minimum(kept, first_eos + 1)
-            done = (kept == remaining) | (first_eos < kept)  # (B,)
-        else:
-            done = kept == remaining
-        remaining = remaining - kept
-        # One transfer to the host per step: kept, kept drafts, done, accepted drafts per row.
-        kept_list, counted_list, done_list, accepted_list = torch.stack(
-            [kept, torch.minimum(num_accepted, kept), done.long(), num_accepted]
-        ).tolist()
-        emitted_list = emitted.tolist()
-        for i, row in enumerate(rows):
-            new_tokens[row].extend(emitted_list[i][: kept_list[i]])
-            accepted_counts[row].append(counted_list[i])
-        accepted_mean = 0.7 * accepted_mean + 0.3 * sum(accepted_list) / live
-        remaining_list = [r - k for r, k in zip(remaining_list, kept_list)]
+        slots = all_slots[: drafts.shape[1] + 1]  # (W + 1,)
+        step = _verify(run, live, drafts, q, slots, temperature, top_k, top_p, generator, clock)
+        out.num_batched_forwards += 1
+        done_list, accepted_list = _emit(live, step, eos, out)
         clock.lap("bookkeeping")
-
         if any(done_list):
-            keep = [i for i, d in enumerate(done_list) if not d]
-            rows = [rows[i] for i in keep]
-            if not rows:
+            accepted_list = _drop_finished(live, step, done_list, accepted_list, run.cache, drafter)
+            if not live.rows:
                 break
-            remaining_list = [remaining_list[i] for i in keep]
-            accepted_list = [accepted_list[i] for i in keep]
-            keep_idx = torch.tensor(keep, dtype=torch.long, device=device)  # (B',)
-            cache.batch_select_indices(keep_idx)
-            if drafter is not None:
-                drafter.select_rows(keep_idx)
-            mask, anchor_pos, remaining = mask[keep_idx], anchor_pos[keep_idx], remaining[keep_idx]
-            block, num_accepted, next_token = block[keep_idx], num_accepted[keep_idx], next_token[keep_idx]
-            hidden = tuple(h[keep_idx] for h in hidden) if hidden is not None else None
             clock.lap("select_rows")
-
-        # Keep columns [anchor, d_1..d_n], n = the largest accepted count among live rows.
-        n = max(accepted_list)
-        cache.crop(n - width)
-        new_mask = (slots[: n + 1] <= num_accepted.unsqueeze(1)).long()  # (B, n + 1)
-        new_pos = anchor_pos.unsqueeze(1) + slots[: n + 1]  # (B, n + 1)
-        clock.lap("crop")
-        if drafter is not None:
-            hidden = tuple(h[:, : n + 1] for h in hidden) if hidden is not None else None
-            drafter.extend(block[:, : n + 1], new_mask, new_pos, hidden)
-            clock.lap("drafter_extend")
-        mask = torch.cat([mask, new_mask], dim=1)
-        anchor = next_token
-        anchor_pos = anchor_pos + num_accepted + 1
-        clock.lap("bookkeeping")
+        _advance(live, step, accepted_list, run.cache, drafter, clock)
         clock.next_step()
-    return _Decoded(new_tokens, accepted_counts, num_forwards, time.perf_counter() - start)
+    out.wall_time = time.perf_counter() - start
+    return out
 
 
 def _sequences(input_ids, new_tokens, pad_id) -> torch.Tensor:  # (B, T + max new)

@@ -88,23 +88,8 @@ def sample_tokens(
     return index.clamp_(max=weights.shape[-1] - 1)
 
 
-def verify_block(
-    draft_tokens: torch.Tensor,  # (B, K) long
-    draft_probs: torch.Tensor | None,  # (B, K, V) q, or None for deterministic drafts (q one-hot)
-    target_probs: torch.Tensor,  # (B, K + 1, V) p_0..p_K
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) num_accepted in 0..K, (B,) next_token
-    """Verify one block of drafts per row, strictly left to right (DESIGN.md §3).
-
-    For k = 1..K, d_k is accepted with probability min(1, p_{k-1}(d_k) / q_k(d_k)); the first
-    rejection stops the row. A row that rejects d_k emits a token from
-    normalise(max(0, p_{k-1} - q_k)) (the residual), or from p_{k-1} if the residual is all zero;
-    a row that accepts all K drafts emits a bonus token from p_K. K = 0 is allowed and simply samples
-    from p_0 (plain decoding).
-
-    Returns ``(num_accepted, next_token)``: the row's accepted drafts d_1..d_n are followed by
-    ``next_token`` (the correction or the bonus token).
-    """
+def _check_block(draft_tokens, draft_probs, target_probs) -> None:
+    """Raise ValueError unless the arguments of :func:`verify_block` have consistent shapes and tokens."""
     if draft_tokens.ndim != 2:
         raise ValueError(f"draft_tokens must be (B, K), got shape {tuple(draft_tokens.shape)}")
     if draft_tokens.dtype != torch.long:
@@ -126,6 +111,28 @@ def verify_block(
             f"draft_tokens must lie in [0, {vocab_size}), got values in "
             f"[{int(draft_tokens.min())}, {int(draft_tokens.max())}]"
         )
+
+
+def verify_block(
+    draft_tokens: torch.Tensor,  # (B, K) long
+    draft_probs: torch.Tensor | None,  # (B, K, V) q, or None for deterministic drafts (q one-hot)
+    target_probs: torch.Tensor,  # (B, K + 1, V) p_0..p_K
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) num_accepted in 0..K, (B,) next_token
+    """Verify one block of drafts per row, strictly left to right (DESIGN.md §3).
+
+    For k = 1..K, d_k is accepted with probability min(1, p_{k-1}(d_k) / q_k(d_k)); the first
+    rejection stops the row. A row that rejects d_k emits a token from
+    normalise(max(0, p_{k-1} - q_k)) (the residual), or from p_{k-1} if the residual is all zero;
+    a row that accepts all K drafts emits a bonus token from p_K. K = 0 is allowed and simply samples
+    from p_0 (plain decoding).
+
+    Returns ``(num_accepted, next_token)``: the row's accepted drafts d_1..d_n are followed by
+    ``next_token`` (the correction or the bonus token).
+    """
+    _check_block(draft_tokens, draft_probs, target_probs)
+    batch_size, num_drafts = draft_tokens.shape
+    vocab_size = target_probs.shape[-1]
     p = target_probs.float()
     rows = torch.arange(batch_size, device=p.device)
     if num_drafts == 0:

@@ -1,6 +1,6 @@
 """Benchmark: how fast a block drafter learns, on cached target features, for diagnosis.
 
-    python -m experiments.bench_learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
+    python -m experiments.bench.learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
         [--layers 1] [--block-size 16] [--num-anchors 32] [--target-layer-ids 1 2 3 4 5]
         [--init current|first_wave] [--gamma G] [--loss-slots N] [--overfit] [--out runs/bench_learning.json]
 
@@ -31,7 +31,7 @@ from drafters import BlockDiffusionDrafter
 from drafters.data import collate, load_regenerated, sample_anchors, split_by_id
 from drafters.features import FeatureStore, ensure_features
 from drafters.model import target_final_norm_weight
-from experiments.target import TINY_TARGET_DIR, load_target
+from experiments.data.target import TINY_TARGET_DIR, load_target
 from losses import AcceptanceAlignedLoss
 
 

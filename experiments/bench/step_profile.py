@@ -1,4 +1,4 @@
-"""Where the time of one speculative step goes: the library behind ``python -m experiments.bench_step``.
+"""Where the time of one speculative step goes: the library behind ``python -m experiments.bench.step``.
 
 :func:`verify.generate._decode` takes an optional *clock* whose ``lap(name)`` it calls at the end of
 each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,

@@ -11,7 +11,7 @@ assistant, the residual branches of the layers it lacks are scaled by ``--deep-s
 output projections), so the deep layers perturb rather than rewrite the early layers' prediction.
 ``--target PATH`` loads a real model instead (no scaling).
 
-    python -m experiments.bench_verify --out runs/bench_verify.json
+    python -m experiments.bench.verify --out runs/bench_verify.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from experiments.data.prompts import left_pad
 from verify import AssistantDrafter, speculative_generate, target_generate, truncated_copy
 
 
@@ -53,12 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_models(args):
     """(target, assistant): the target in eval mode, the assistant its first ``assistant_layers`` layers."""
     if args.target is not None:
-        from transformers import AutoModelForCausalLM
-
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         config = LlamaConfig(
             vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=int(2.6875 * args.hidden_size),
             num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
@@ -86,13 +84,6 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
 
 
-def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
 def timed_interleaved(contenders: dict, repeats: int) -> tuple[dict, dict, dict]:
     """Run every contender once to warm up, then ``repeats`` rounds in turn (so that load from other
     processes hits all of them alike). Returns ({name: last result}, {name: fastest wall seconds},
@@ -110,57 +101,37 @@ def timed_interleaved(contenders: dict, repeats: int) -> tuple[dict, dict, dict]
     return results, wall, cpu
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target, assistant = build_models(args)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    prompts = make_prompts(args, vocab_size)
-    K, new = args.K, args.max_new_tokens
-    drafter = AssistantDrafter(assistant, K)
-    pad_id = 0
+def contenders(args, target, assistant, prompts: list[list[int]], pad_id: int = 0) -> dict:
+    """Name -> a function decoding every prompt: transformers' assisted and greedy generation (one
+    row at a time), and per batch size the speculative verifier and target-only decoding."""
+    new, drafter = args.max_new_tokens, AssistantDrafter(assistant, args.K)
 
-    def hf_assisted():
-        return [
-            target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, assistant_model=assistant,
-                            pad_token_id=pad_id)[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    def hf(**extra):
+        return lambda: [target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, pad_token_id=pad_id,
+                                        **extra)[0, len(p):].tolist() for p in prompts]
 
-    def hf_greedy():
-        return [
-            target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, pad_token_id=pad_id)[
-                0, len(p) :].tolist()
-            for p in prompts
-        ]
-
-    def ours(batch_size):
+    def batched(decode, batch_size):
         def run():
             outs = []
             for start in range(0, len(prompts), batch_size):
-                ids, mask = left_pad(prompts[start : start + batch_size], pad_id)
-                outs.append(speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=new))
+                ids, mask = left_pad(prompts[start: start + batch_size], pad_id)
+                outs.append(decode(ids, mask))
             return outs
         return run
 
-    def target_only(batch_size):
-        def run():
-            outs = []
-            for start in range(0, len(prompts), batch_size):
-                ids, mask = left_pad(prompts[start : start + batch_size], pad_id)
-                outs.append(target_generate(target, ids, attention_mask=mask, max_new_tokens=new))
-            return outs
-        return run
-
-    total_new = len(prompts) * new
-    contenders = {"hf_assisted": hf_assisted, "hf_greedy": hf_greedy}
+    out = {"hf_assisted": hf(assistant_model=assistant), "hf_greedy": hf()}
     for batch_size in args.batch_sizes:
-        contenders[f"spec_{batch_size}"] = ours(batch_size)
-        contenders[f"target_{batch_size}"] = target_only(batch_size)
-    outputs, seconds, cpu_seconds = timed_interleaved(contenders, args.repeats)
-    hf_assisted_tokens, hf_greedy_tokens = outputs["hf_assisted"], outputs["hf_greedy"]
-    results = {"batch": {}}
-    reference = None
+        out[f"spec_{batch_size}"] = batched(lambda ids, mask: speculative_generate(
+            target, drafter, ids, attention_mask=mask, max_new_tokens=new), batch_size)
+        out[f"target_{batch_size}"] = batched(lambda ids, mask: target_generate(
+            target, ids, attention_mask=mask, max_new_tokens=new), batch_size)
+    return out
+
+
+def batch_results(args, outputs: dict, seconds: dict, cpu_seconds: dict, total_new: int) -> tuple[dict, list]:
+    """Per batch size: speeds, τ, accepted-count histogram and token identity with the references;
+    and the batch-1 (first batch size) tokens every other output is compared with."""
+    results, reference = {}, None
     for batch_size in args.batch_sizes:
         spec_outs, spec_time = outputs[f"spec_{batch_size}"], seconds[f"spec_{batch_size}"]
         target_outs, target_time = outputs[f"target_{batch_size}"], seconds[f"target_{batch_size}"]
@@ -170,7 +141,7 @@ def main(argv=None) -> dict:
         steps = sum(out.num_target_forwards for out in spec_outs)
         if reference is None:
             reference = spec_tokens
-        results["batch"][str(batch_size)] = {
+        results[str(batch_size)] = {
             "spec_tokens_per_s": total_new / spec_time,
             "target_tokens_per_s": total_new / target_time,
             "speedup_vs_target_generate": target_time / spec_time,
@@ -180,14 +151,27 @@ def main(argv=None) -> dict:
             "target_tokens_per_cpu_s": total_new / cpu_seconds[f"target_{batch_size}"],
             "speedup_vs_target_generate_cpu": cpu_seconds[f"target_{batch_size}"] / cpu_seconds[f"spec_{batch_size}"],
             "tau": total_new / steps,
-            "accept_hist": [sum(1 for row in counts for c in row if c == k) for k in range(K + 1)],
+            "accept_hist": [sum(1 for row in counts for c in row if c == k) for k in range(args.K + 1)],
             "identical_to_target_generate": sum(a == b for a, b in zip(spec_tokens, target_tokens)),
-            "identical_to_hf_greedy": sum(a == b for a, b in zip(spec_tokens, hf_greedy_tokens)),
+            "identical_to_hf_greedy": sum(a == b for a, b in zip(spec_tokens, outputs["hf_greedy"])),
             "identical_to_batch_1": sum(a == b for a, b in zip(spec_tokens, reference)),
         }
+    return results, reference
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, assistant = build_models(args)
+    prompts = make_prompts(args, target.get_output_embeddings().weight.shape[0])
+    total_new = len(prompts) * args.max_new_tokens
+    outputs, seconds, cpu_seconds = timed_interleaved(contenders(args, target, assistant, prompts), args.repeats)
+    hf_assisted_tokens, hf_greedy_tokens = outputs["hf_assisted"], outputs["hf_greedy"]
+    batches, reference = batch_results(args, outputs, seconds, cpu_seconds, total_new)
     hf_assisted_time, hf_greedy_time = seconds["hf_assisted"], seconds["hf_greedy"]
-    first = results["batch"][str(args.batch_sizes[0])]
-    results.update({
+    first = batches[str(args.batch_sizes[0])]
+    results = {
+        "batch": batches,
         "config": vars(args),
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
         "target_params": sum(p.numel() for p in target.parameters()),
@@ -204,7 +188,7 @@ def main(argv=None) -> dict:
         / (total_new / hf_assisted_time),
         f"ratio_vs_hf_assisted_at_batch_{args.batch_sizes[0]}_cpu": first["spec_tokens_per_cpu_s"]
         / (total_new / cpu_seconds["hf_assisted"]),
-    })
+    }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2))

@@ -23,7 +23,6 @@ their id, so the split never changes between runs.
 from __future__ import annotations
 
 import ast
-import hashlib
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,11 +30,11 @@ from pathlib import Path
 
 import yaml
 
+from experiments.data.hashing import stable_seed
+from experiments.data.suites import GSM_TRAIN_SEED  # gsm training problems: seeds from here up (see suites)
+
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
-#: Seeds for gsm_symbolic training problems; the evaluation suite uses its own seed (see suites.py)
-#: and :func:`check_disjoint` verifies that no evaluation prompt appears here.
-GSM_TRAIN_SEED = 10_000
 APT_PACKAGES = {DOCS_DIR: "python3.11-doc", FORTUNES_DIR: "fortunes"}
 
 DOMAIN_OF = {
@@ -62,8 +61,7 @@ class Document:
 
 def is_validation(doc_id: str, fraction: float) -> bool:
     """Stable hold-out split by the document id's hash."""
-    h = int(hashlib.sha1(doc_id.encode()).hexdigest()[:8], 16)
-    return (h % 10_000) < fraction * 10_000
+    return (stable_seed(doc_id) % 10_000) < fraction * 10_000
 
 
 def require_dir(path: Path) -> Path:

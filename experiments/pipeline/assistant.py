@@ -11,7 +11,7 @@ Validation (:class:`AssistantLM`) on the held-out rows, response tokens only:
 
 * ``val/ce`` (nats/token) and ``val/acc`` (teacher-forced top-1 accuracy);
 * ``val/tau_greedy``: greedy verification replayed block by block with K = ``num_draft_tokens``
-  (:func:`leading_correct` then ``drafters.module.greedy_walk``). At temperature 0 the assistant's
+  (:func:`leading_correct` then ``drafters.tau.greedy_walk``). At temperature 0 the assistant's
   k-th draft equals its teacher-forced argmax whenever drafts 1..k−1 were right, so on the target's
   greedy answers (``data=regen_greedy``) this is the online τ of ``verify.speculative_generate``
   (up to argmax ties between a cached and a full forward).
@@ -29,6 +29,12 @@ import hydra
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from drafters.data import read_meta
+from drafters.tau import greedy_walk
+from experiments.data.target import load_target
+from experiments.pipeline.trainer import build_trainer
 
 # ----------------------------------------------------------------------------- model
 
@@ -41,8 +47,6 @@ def build_assistant(target, model: dict, init_from_target: bool = True):
     embeddings, first ``num_hidden_layers`` layers, final norm and LM head), so the architecture must
     match the target's apart from the depth; otherwise the weights are random.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     text = target.config.get_text_config()
     ids = {k: getattr(text, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     assistant = LlamaForCausalLM(LlamaConfig(vocab_size=text.vocab_size, **ids, **model))
@@ -100,8 +104,6 @@ class AssistantLM(L.LightningModule):
         self._val = {"nll": 0.0, "correct": 0, "count": 0, "kept": 0, "steps": 0}
 
     def validation_step(self, batch, batch_idx):
-        from drafters.module import greedy_walk
-
         labels, mask = response_labels(batch)
         logits = self._logits(batch).float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # (B, S - 1)
@@ -148,8 +150,6 @@ class AssistantLM(L.LightningModule):
 
 def export_assistant(model, target_path: str, out_dir: Path, dtype: str, meta: dict) -> Path:
     """``save_pretrained`` (safetensors in ``dtype``) with the target's tokenizer, training.json and README.md."""
-    from transformers import AutoTokenizer
-
     out_dir.mkdir(parents=True, exist_ok=True)
     copy = type(model)(model.config).to(getattr(torch, dtype))
     copy.load_state_dict(model.state_dict())
@@ -214,11 +214,8 @@ def _keep_earlier_csv(logger, step: int) -> None:
             current.rename(current.with_name(f"metrics.before-step-{step}.csv"))
 
 
-def run(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
+def train_assistant(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
     """Train (or resume) the assistant of ``cfg`` and export it; returns the export directory."""
-    from drafters.data import read_meta
-    from experiments.target import load_target
-
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
@@ -243,7 +240,7 @@ def run(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
     logger = hydra.utils.instantiate(cfg.logger)
     if first_step is not None:
         _keep_earlier_csv(logger, first_step)
-    trainer = make_trainer(cfg, run_dir, logger)
+    trainer = build_trainer(cfg, logger)  # conf/trainer/ + train_assistant.yaml's trainer:, conf/callbacks/
     start_file = run_dir / "val_at_start.json"
     if first_step is None:  # a fresh run: measure the initialisation
         trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -263,16 +260,6 @@ def run(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
     print(f"[train_assistant] {trainer.global_step} steps in {module.train_seconds:.0f} s; "
           f"val {json.dumps(meta['val'])}; exported to {export_dir}", flush=True)
     return export_dir
-
-
-def make_trainer(cfg: DictConfig, run_dir: Path, logger) -> L.Trainer:
-    """The Lightning trainer of ``cfg.trainer`` / ``cfg.train``, saving ``checkpoints/last.ckpt``."""
-    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
-                                                     every_n_train_steps=cfg.train.checkpoint_every)
-    return L.Trainer(**OmegaConf.to_container(cfg.trainer), max_steps=cfg.train.max_steps, max_epochs=-1,
-                     val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                     gradient_clip_val=cfg.train.gradient_clip_val, logger=logger, callbacks=[checkpoint],
-                     enable_checkpointing=True, default_root_dir=str(run_dir))
 
 
 def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, datamodule,

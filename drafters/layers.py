@@ -1,0 +1,172 @@
+"""The drafter's layers: RMSNorm, RoPE, attention over [context, block] keys/values, SwiGLU, and
+the decoder layer, with :func:`draft_layer` (one layer at inference, writing the block's keys/values
+into the cache buffers) and :func:`copy_target_layers` (the warm start from the target's layers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., H)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape (Bt, N, head_dim) for absolute positions (Bt, N) (half-split layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # (Bt, N, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (Bt, N, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (Bt, h, N, d) by cos/sin (Bt, N, d)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class DrafterAttention(nn.Module):
+    """Block queries attend to [context keys/values, block keys/values] under a boolean mask."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        # Qwen3's per-head RMSNorm over head_dim, applied to queries and keys before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated keys and values (Bt, h_kv, N, d) of x (Bt, N, H) at the positions of cos/sin."""
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        # x (Bt, N, H) normalised block states; ctx_k/ctx_v (Bt, h_kv, S, d); mask (Bt, 1, N, S + N)
+        q = self._heads(self.q_proj(x), self.num_heads)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)  # (Bt, h, N, d)
+        k, v = self.key_value(x, cos, sin)  # (Bt, h_kv, N, d)
+        k = torch.cat([ctx_k, k], dim=2)  # (Bt, h_kv, S + N, d)
+        v = torch.cat([ctx_v, v], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
+        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N, h*d)
+        return self.o_proj(out)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm Llama layer whose attention also reads the context keys/values."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DrafterAttention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # x (Bt, N, H) -> (Bt, N, H)
+        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+# Drafter layer parameter -> the same parameter of a Llama/Qwen-style target decoder layer.
+_TARGET_LAYER_NAMES = {
+    "input_norm.weight": "input_layernorm.weight",
+    "post_attn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn.{n}_proj.{w}": f"self_attn.{n}_proj.{w}" for n in "qkvo" for w in ("weight", "bias")},
+    **{f"attn.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"},
+    **{f"mlp.{n}_proj.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")},
+}
+
+
+def copy_target_layers(drafter: nn.Module, target: nn.Module) -> int:
+    """Warm start: drafter layer i <- the target's decoder layer i (its first layers), where names and
+    shapes match (a Llama target has no q/k norm: those keep their init). Block slots enter as token
+    embeddings, the input the target's first layers were trained on. Returns the tensors copied."""
+    base = getattr(target, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or len(layers) < len(drafter.layers):
+        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {len(drafter.layers)} "
+                         f"decoder layers at target.model.layers; {type(target).__name__} has none or fewer")
+    copied = 0
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            theirs = dict(layers[i].named_parameters())
+            for name, param in layer.named_parameters():
+                source = theirs.get(_TARGET_LAYER_NAMES.get(name, ""))
+                if source is None:
+                    continue
+                if source.shape != param.shape:
+                    raise ValueError(f"init_layers_from_target: drafter layers.{i}.{name} {tuple(param.shape)} "
+                                     f"!= target layer {i} {tuple(source.shape)}")
+                param.copy_(source.float())
+                copied += 1
+    return copied
+
+
+def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int, mask, skip_anchor: bool):
+    """:meth:`DrafterLayer.forward` for one block per row at inference (x (B, N, H), N = block size).
+
+    The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
+    ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
+    the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1,
+    start + N) is shared by all slots. With ``skip_anchor`` (the last layer) the queries, the MLP
+    and the returned states are slots 1..N-1 only: no head reads the anchor slot's output.
+    """
+    attn = layer.attn
+    h = layer.input_norm(x)
+    k, v = attn.key_value(h, cos, sin)  # (B, h_kv, N, d)
+    end = start + x.shape[1]
+    k_buffer[:, :, start:end] = k
+    v_buffer[:, :, start:end] = v
+    keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
+    if skip_anchor:
+        h, x, cos, sin = h[:, 1:].contiguous(), x[:, 1:], cos[:, 1:], sin[:, 1:]
+    q = attn._heads(attn.q_proj(h), attn.num_heads)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    q = apply_rope(q, cos, sin)  # (B, h, N', d)
+    groups = attn.num_heads // attn.num_kv_heads
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, h, N', d)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+    return x + layer.mlp(layer.post_attn_norm(x))

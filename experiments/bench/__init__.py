@@ -1,0 +1,25 @@
+"""Benchmarks and diagnosis loops (plain argparse scripts, ``python -m experiments.bench.<name>``):
+``learning`` (the drafter learning diagnosis), ``losses`` (loss forward+backward cost), ``step`` (one
+speculative step vs one target step, with :mod:`.step_profile`), ``train`` (training step throughput),
+``verify`` (the verifier vs transformers' assisted generation)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def loss_configs(names: Iterable[str]) -> dict[str, DictConfig]:
+    """``conf/loss/<name>.yaml`` of each name as ``experiments.train loss=<name>`` composes it."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return {name: compose(config_name="train", overrides=[f"loss={name}"]).loss for name in names}
+
+
+def loss_names() -> list[str]:
+    """Every loss config under ``conf/loss/``, sorted."""
+    return sorted(p.stem for p in (CONF / "loss").glob("*.yaml"))

@@ -1,0 +1,379 @@
+"""Evaluation: a drafter through the exact verifier on every suite and temperature (``python -m experiments.evaluate``).
+
+The drafter is a config group (``conf/eval/drafter/``, searched by this entry point only), built by
+:mod:`experiments.pipeline.eval_drafters`: ``drafter=block`` (the default: a trained block drafter,
+``drafter.path=<run dir>/drafter``), ``drafter=prompt_lookup`` (n-gram lookup, no model) or
+``drafter=ar_assistant`` (a small causal LM, ``drafter.path=<HF model dir>``, default the shipped
+``experiments/assets/ar_assistant``). The baselines draft K = 15 tokens (``drafter.num_draft_tokens``).
+
+For every suite (``suite``, default all three of DESIGN.md §5) and temperature (``temperatures``,
+default 0 and 1) the target decodes every prompt speculatively with the drafter
+(:func:`verify.speculative_generate`, exact verification) and, with ``measure_target_only``, once more
+alone (:func:`verify.target_generate`, same prompts, same batches, interleaved batch by batch) for the
+speedup. Prompts are sorted by length before batching (little padding); results keep their ids.
+
+Multi-turn prompts (MT-Bench): turn r + 1 is asked after the model's own answers to turns 1..r from
+the same speculative run (a second round of batches); every turn counts towards the suite's
+statistics. A prompt's turns are pooled into one per-prompt record (kept tokens and steps summed,
+accepted counts concatenated), and the bootstrap resamples these records (prompts, not turns).
+
+``results.json`` (see :func:`evaluate` for one entry; :mod:`experiments.pipeline.records`) holds the resolved config, the drafter's
+description (``name``, the report's row for baselines; ``kind``, ``path``, ``config``, ...), the target's
+fingerprint and path, the git commit, and ``results[suite]["t<temperature>"]``.
+Each finished (suite, temperature) is written at once (temp file + rename); running again with
+``hydra.run.dir=<that run dir>`` skips it. Each (suite, temperature) has its own generator seeded from
+``(seed, suite, temperature)``, so a resumed evaluation gives the same numbers as an uninterrupted one
+(wall-clock speeds aside). The metrics also go to the logger as ``eval/<suite>/<metric>_t<T>``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from drafters.locks import read_json, write_json_atomic
+from experiments.data.hashing import stable_seed
+from experiments.data.prompts import encode_prompt, left_pad
+from experiments.data.suites import Prompt, load_suites
+from experiments.data.target import eos_token_ids, load_target
+from experiments.pipeline.eval_drafters import EvalDrafter
+from experiments.pipeline.records import (
+    RESULTS_FORMAT,
+    check_resumable,
+    describe_target,
+    git_commit,
+    logged_metrics,
+    suite_digests,
+    temperature_key,
+)
+from experiments.pipeline.settings import DecodingSettings
+from verify.generate import speculative_generate, target_generate
+from verify.hf import max_positions
+from verify.metrics import summarize
+
+
+def prompt_budget(target, max_prompt_tokens: int | None, max_new_tokens: int) -> int:
+    """Prompt tokens kept (the last ones) so that prompt + ``max_new_tokens`` fits the target's positions."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = max_positions(target)
+    if max_prompt_tokens is None:
+        if limit is None:
+            raise ValueError("max_prompt_tokens=null needs a target with a position limit; set max_prompt_tokens")
+        max_prompt_tokens = limit - max_new_tokens
+    if max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1 (or null), got {max_prompt_tokens}")
+    if limit is not None and max_prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} exceeds the "
+                         f"target's {limit} positions; lower max_prompt_tokens (or set it to null)")
+    return int(max_prompt_tokens)
+
+
+def _check_suites(suites: Mapping[str, Sequence[Prompt]]) -> None:
+    if not suites:
+        raise ValueError("no suites to evaluate: the suites mapping is empty")
+    for name, prompts in suites.items():
+        if not prompts:
+            raise ValueError(f"suite {name!r} is empty: it has no prompts to evaluate")
+        ids = [p.id for p in prompts]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})[:5]
+            raise ValueError(f"suite {name!r}: prompt ids must be unique; duplicated: {dup}")
+
+
+# ------------------------------------------------------------------------------------------------
+# One (suite, temperature)
+
+
+@dataclass
+class _Decoding:
+    """What every batch of one (suite, temperature) shares: the decoding call's arguments, the two
+    generators (speculative, target-only) and the running totals."""
+
+    kwargs: dict
+    gen_spec: torch.Generator
+    gen_target: torch.Generator
+    device: torch.device
+    spec_time: float = 0.0
+    target_time: float = 0.0
+    target_new: int = 0
+    batched_forwards: int = 0
+    truncated: int = 0
+    matches: int = 0
+
+
+def _start_decoding(target, tokenizer, suite: str, temperature: float, s: DecodingSettings) -> _Decoding:
+    device = next(target.parameters()).device
+    eos = eos_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    gen_spec = torch.Generator(device=device).manual_seed(stable_seed(s.seed, suite, float(temperature)))
+    gen_target = torch.Generator(device=device).manual_seed(stable_seed(s.seed, suite, float(temperature), "target"))
+    kwargs = {"max_new_tokens": s.max_new_tokens, "temperature": float(temperature), "top_k": s.top_k,
+              "top_p": s.top_p, "eos_token_id": eos, "pad_token_id": pad_id}
+    return _Decoding(kwargs, gen_spec, gen_target, device)
+
+
+def _encode_turn(tokenizer, prompts, answers, live, turn: int, budget: int, use_chat_template: bool,
+                 run: _Decoding) -> dict[int, list[int]]:
+    """Token ids of turn ``turn`` of the ``live`` prompts (after their own earlier answers), left-truncated."""
+    encoded = {}
+    for i in live:
+        ids = encode_prompt(tokenizer, prompts[i].turns[: turn + 1], answers[i], use_chat_template)
+        if len(ids) > budget:
+            ids, run.truncated = ids[-budget:], run.truncated + 1
+        encoded[i] = ids
+    return encoded
+
+
+def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decoding,
+                  measure_target_only: bool) -> list[tuple[dict, str]]:
+    """One batch, speculatively (and target-only for the speedup): per row its turn record and answer."""
+    input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
+    out = speculative_generate(target, drafter, input_ids, attention_mask=mask, generator=run.gen_spec,
+                               **run.kwargs)
+    run.spec_time += out.wall_time
+    run.batched_forwards += out.num_batched_forwards
+    done = [({"new_tokens": len(out.new_tokens[row]), "steps": out.target_forwards_per_row[row],
+              "accepted_counts": list(out.accepted_counts[row])},
+             tokenizer.decode(out.new_tokens[row], skip_special_tokens=True).strip()) for row in range(len(rows))]
+    if measure_target_only:
+        base = target_generate(target, input_ids, attention_mask=mask, generator=run.gen_target, **run.kwargs)
+        run.target_time += base.wall_time
+        run.target_new += base.num_new_tokens
+        run.matches += sum(a == b for a, b in zip(out.new_tokens, base.new_tokens))
+    return done
+
+
+def _prompt_records(prompts: Sequence[Prompt], turns: list[list[dict]]) -> list[dict]:
+    """One record per prompt: its turns pooled (kept tokens and steps summed, accepted counts concatenated)."""
+    return [{
+        "id": p.id,
+        "turns": len(p.turns),
+        "new_tokens": sum(t["new_tokens"] for t in turns[i]),
+        "steps": sum(t["steps"] for t in turns[i]),
+        "new_tokens_per_turn": [t["new_tokens"] for t in turns[i]],
+        "steps_per_turn": [t["steps"] for t in turns[i]],
+        "accepted_counts": [c for t in turns[i] for c in t["accepted_counts"]],
+    } for i, p in enumerate(prompts)]
+
+
+def _entry(suite: str, temperature: float, metrics: dict, total: int, run: _Decoding, records: list[dict],
+           measure_target_only: bool) -> dict:
+    spec_tps = metrics["new_tokens"] / max(run.spec_time, 1e-9)
+    target_tps = run.target_new / max(run.target_time, 1e-9) if measure_target_only else None
+    return {
+        "suite": suite,
+        "temperature": float(temperature),
+        **metrics,
+        "num_turns": total,
+        "truncated_prompts": run.truncated,  # turns whose prompt lost its first tokens to max_prompt_tokens
+        "batched_forwards": run.batched_forwards,  # target calls after prefill, summed over batches
+        "spec_wall_time_s": run.spec_time,
+        "spec_tokens_per_s": spec_tps,
+        "target_new_tokens": run.target_new if measure_target_only else None,
+        "target_wall_time_s": run.target_time if measure_target_only else None,
+        "target_tokens_per_s": target_tps,
+        "speedup": spec_tps / target_tps if target_tps else None,
+        # Turns whose speculative output equals target-only decoding: 1.0 at T=0 (exactness); at T>0 the
+        # two runs draw different random numbers, so this is only the chance of equal samples.
+        "greedy_match": run.matches / total if measure_target_only and temperature == 0 else None,
+        "prompts": records,
+    }
+
+
+def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite: str, temperature: float,
+                   settings: DecodingSettings | None = None) -> dict:
+    """One (suite, temperature) entry of results.json (see :func:`evaluate` for its fields)."""
+    s = settings or DecodingSettings()
+    if s.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {s.batch_size}")
+    if temperature < 0:
+        raise ValueError(f"temperatures must be >= 0, got {temperature}")
+    budget = prompt_budget(target, s.max_prompt_tokens, s.max_new_tokens)
+    run = _start_decoding(target, tokenizer, suite, temperature, s)
+    answers: list[list[str]] = [[] for _ in prompts]  # the model's own answers, fed back before later turns
+    turns: list[list[dict]] = [[] for _ in prompts]  # per prompt, per turn: new_tokens, steps, accepted_counts
+    total = sum(len(p.turns) for p in prompts)
+    bar = tqdm(total=total, desc=f"{suite} T={temperature:g}", unit="turn", disable=not s.progress, mininterval=2)
+    for turn in range(max(len(p.turns) for p in prompts)):
+        live = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
+        encoded = _encode_turn(tokenizer, prompts, answers, live, turn, budget, s.use_chat_template, run)
+        order = sorted(live, key=lambda i: (len(encoded[i]), prompts[i].id))
+        for start in range(0, len(order), s.batch_size):
+            chunk = order[start: start + s.batch_size]
+            done = _decode_batch(target, tokenizer, drafter, [encoded[i] for i in chunk], run, s.measure_target_only)
+            for i, (record, answer) in zip(chunk, done):
+                turns[i].append(record)
+                answers[i].append(answer)
+            bar.update(len(chunk))
+    bar.close()
+    records = _prompt_records(prompts, turns)
+    metrics = summarize([r["accepted_counts"] for r in records], [r["new_tokens"] for r in records],
+                        [r["steps"] for r in records], drafter.num_draft_tokens, n_boot=s.num_bootstrap,
+                        seed=stable_seed(s.seed, suite, float(temperature), "bootstrap"))
+    return _entry(suite, temperature, metrics, total, run, records, s.measure_target_only)
+
+
+def evaluate(
+    target,
+    tokenizer,
+    drafter,
+    suites: Mapping[str, Sequence[Prompt]],
+    settings: DecodingSettings | None = None,
+    *,
+    done: Mapping[str, Mapping[str, dict]] | None = None,
+    on_result: Callable[[str, str, dict], None] | None = None,
+) -> dict[str, dict[str, dict]]:
+    """Speculative decoding with ``drafter`` on every suite at every temperature of ``settings``.
+
+    Returns ``{suite: {temperature_key(T): entry}}``. An entry holds the metrics of
+    :func:`verify.metrics.summarize` over the suite's prompts (``tau`` micro, ``tau_macro``,
+    ``tau_ci_low``/``tau_ci_high`` 95% bootstrap over prompts, ``mean_accepted``, ``accept_hist`` over
+    0..K, ``position_acceptance`` a_1..a_K, ``new_tokens``, ``target_forwards``), the speeds
+    (``spec_tokens_per_s``, ``target_tokens_per_s``, ``speedup``; wall clock, prefill included),
+    ``greedy_match`` (T=0), and ``prompts``: per-prompt records ``id, turns, new_tokens, steps,
+    new_tokens_per_turn, steps_per_turn, accepted_counts`` from which any metric can be recomputed.
+
+    ``done`` holds entries already computed (a resumed run): they are returned as they are, not rerun.
+    ``on_result(suite, key, entry)`` is called after each new entry (the entry point saves there).
+    """
+    _check_suites(suites)
+    settings = settings or DecodingSettings()
+    if not settings.temperatures:
+        raise ValueError("temperatures is empty: give at least one (e.g. [0.0, 1.0])")
+    if isinstance(drafter, torch.nn.Module):
+        drafter.eval()
+    done = done or {}
+    out: dict[str, dict[str, dict]] = {}
+    for suite, prompts in suites.items():
+        for temperature in settings.temperatures:
+            key = temperature_key(temperature)
+            entry = done.get(suite, {}).get(key)
+            if entry is not None:
+                ids = [r["id"] for r in entry.get("prompts", [])]
+                if sorted(ids) != sorted(p.id for p in prompts):
+                    raise ValueError(f"the saved result of suite {suite!r} at {key} covers other prompts than the "
+                                     f"suite now has ({len(ids)} vs {len(prompts)}); evaluate in a new run dir")
+            else:
+                entry = evaluate_suite(target, tokenizer, drafter, prompts, suite=suite, temperature=temperature,
+                                       settings=settings)
+                if on_result is not None:
+                    on_result(suite, key, entry)
+            out.setdefault(suite, {})[key] = entry
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The evaluation stage: config -> results.json
+
+
+def build_drafter(cfg: DictConfig, target) -> EvalDrafter:
+    """The drafter of ``cfg.drafter`` (a ``conf/eval/drafter/`` choice) for ``target``, with its description."""
+    factory = hydra.utils.instantiate(cfg.drafter, _partial_=True)  # called here: its errors are not wrapped
+    built = factory(target=target)
+    if not isinstance(built, EvalDrafter):
+        raise TypeError(f"drafter: {cfg.drafter.get('_target_')} is not an evaluation drafter; choose one of "
+                        "conf/eval/drafter/ (block drafter.path=<dir>, prompt_lookup, ar_assistant)")
+    return built
+
+
+def _resume(doc: dict, results_path: Path, redo_if_changed: bool) -> None:
+    """Take the finished entries of an earlier results.json at ``results_path`` into ``doc`` (same drafter,
+    target, prompts and settings only; with ``redo_if_changed`` another one is moved aside instead)."""
+    previous = read_json(results_path, "results file")
+    try:
+        check_resumable(previous, doc, results_path)
+    except ValueError as e:
+        if not redo_if_changed:
+            raise
+        aside = results_path.with_name(f"{results_path.stem}.replaced-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        results_path.rename(aside)  # kept, not lost: the drafter changed since (e.g. trained further)
+        print(f"[evaluate] {e}\n[evaluate] evaluating again; the old results moved to {aside}", flush=True)
+        previous = {}
+    doc["results"] = previous.get("results", {})
+    doc["suites"] = {**(previous.get("suites") or {}), **doc["suites"]}
+    finished = [f"{s}/{k}" for s, v in doc["results"].items() for k in v]
+    if finished:
+        print(f"[evaluate] resuming {results_path}: {len(finished)} finished ({', '.join(finished)})", flush=True)
+
+
+def _result_writer(doc: dict, results_path: Path, logger) -> Callable[[str, str, dict], None]:
+    """``on_result`` of :func:`evaluate`: save results.json at once, log the entry, print a line."""
+    def on_result(suite: str, key: str, entry: dict) -> None:
+        doc["results"].setdefault(suite, {})[key] = entry
+        write_json_atomic(results_path, doc)
+        logger.log_metrics(logged_metrics(suite, key, entry), step=0)
+        logger.save()
+        speed = f", speedup {entry['speedup']:.2f}x" if entry.get("speedup") else ""
+        print(f"[evaluate] {suite} {key}: tau {entry['tau']:.3f} [{entry['tau_ci_low']:.3f}, "
+              f"{entry['tau_ci_high']:.3f}] over {entry['num_prompts']} prompts{speed}", flush=True)
+
+    return on_result
+
+
+def run_evaluation(cfg: DictConfig) -> dict:
+    """Evaluate the drafter of ``cfg.drafter`` on ``cfg.suite`` with the decoding settings of ``cfg``;
+    returns (and writes to ``cfg.results_path``) the results.json document."""
+    settings = DecodingSettings.from_config(cfg)
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    suites = load_suites(cfg.suite)
+    _check_suites(suites)
+    target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(),
+                                    cfg.target.trust_remote_code)
+    built = build_drafter(cfg, target)
+    doc = {
+        "format": RESULTS_FORMAT,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "settings": settings.generation(),
+        "drafter": built.info,
+        "target": describe_target(target, cfg.target.path),
+        "git_commit": git_commit(),
+        "suites": suite_digests(suites),
+        "results": {},
+    }
+    results_path = Path(cfg.results_path)
+    if results_path.is_file():
+        _resume(doc, results_path, bool(cfg.get("redo_if_changed", False)))
+    logger = hydra.utils.instantiate(cfg.logger)
+    for suite, entries in doc["results"].items():  # a restarted CSV logger starts a fresh file: log them again
+        for key, entry in entries.items():
+            logger.log_metrics(logged_metrics(suite, key, entry), step=0)
+    evaluate(target, tokenizer, built.drafter, suites, settings, done=doc["results"],
+             on_result=_result_writer(doc, results_path, logger))
+    write_json_atomic(results_path, doc)  # the latest config and commit, also when nothing was left to do
+    logger.save()
+    logger.finalize("success")
+    print(f"[evaluate] results in {results_path}", flush=True)
+    return doc
+
+
+def evaluate_training_run(cfg: DictConfig) -> dict:
+    """Evaluate the drafter a training run just saved (``experiments.train`` with ``evaluate.enabled``).
+
+    Uses the training config's target, suites, decoding settings (``evaluate:``) and logger (under the
+    name ``eval``, so a CSV logger does not overwrite the training curves) and writes
+    ``<run dir>/results.json`` beside ``train_summary.json``, where ``experiments.report`` finds both.
+    """
+    run_dir = Path(cfg.paths.run_dir)
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.evaluate, resolve=True).items() if k != "enabled"}
+    logger = OmegaConf.to_container(cfg.logger, resolve=True) | {"name": "eval"}
+    eval_cfg = OmegaConf.create(settings | {
+        "target": OmegaConf.to_container(cfg.target, resolve=True),
+        "suite": OmegaConf.to_container(cfg.suite, resolve=True),
+        "logger": logger,
+        "drafter": {"_target_": "experiments.pipeline.eval_drafters.block_drafter",
+                    "path": str(run_dir / "drafter"), "name": None},
+        "paths": {"run_dir": str(run_dir)},
+        "results_path": str(run_dir / "results.json"),
+        "redo_if_changed": True,  # the drafter was (re)trained: old results of other weights are redone
+    })
+    return run_evaluation(eval_cfg)
+

@@ -1,0 +1,151 @@
+"""Finding and naming evaluated runs: every ``results.json`` under the given paths, one :class:`Run`
+per configuration, named by the drafter's own name (baselines), the loss of the training run it came
+from (:func:`experiments.pipeline.records.training_run_info`) or its directory; and their training
+curves (a CSV logger's ``metrics.csv``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from experiments.pipeline.records import training_run_info
+
+CURVE_METRIC = "val/tau_greedy"
+
+
+def find_results(paths: Sequence[str | Path]) -> list[Path]:
+    """Every results.json under ``paths`` (files taken as they are, directories searched recursively)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            hits = [p]
+        elif p.is_dir():
+            hits = sorted(p.rglob("results.json"))
+            if not hits:
+                raise FileNotFoundError(f"{p}: no results.json found in this directory or below it")
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+        found += [h for h in hits if h.resolve() not in {f.resolve() for f in found}]
+    if not found:
+        raise FileNotFoundError("no results.json given")
+    return found
+
+
+@dataclass
+class Run:
+    """One evaluated configuration: its name, results.json path and content."""
+
+    name: str
+    path: Path
+    doc: dict = field(repr=False)
+    config: str = ""  # the configuration without the seed (== name unless seeds were disambiguated)
+    seed: Any = None  # the training seed when known
+
+    def __post_init__(self) -> None:
+        self.config = self.config or self.name
+
+    @property
+    def results(self) -> dict:
+        return self.doc.get("results", {})
+
+    def training_dirs(self) -> list[Path]:
+        """Directories that may hold this configuration's training logs (nearest first)."""
+        dirs = [self.path.parent]
+        info = (self.doc.get("drafter") or {}).get("training_run") or {}
+        if info.get("run_dir"):
+            dirs.append(Path(info["run_dir"]))
+        drafter_path = (self.doc.get("drafter") or {}).get("path")
+        if drafter_path:
+            dirs.append(Path(drafter_path).parent)
+        return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
+
+
+def _auto_name(path: Path, doc: dict) -> tuple[str, Any]:
+    """``(name, seed)``: the drafter's own name (baselines: ``prompt_lookup``, ``ar_assistant``), else the
+    loss choice beside the results or of the drafter's training run, else the dir name."""
+    if (doc.get("drafter") or {}).get("name"):
+        return str(doc["drafter"]["name"]), None
+    info = training_run_info(path.parent) or {}
+    if info.get("loss"):
+        return info["loss"], info.get("seed")
+    info = (doc.get("drafter") or {}).get("training_run") or {}
+    if info.get("loss"):
+        return info["loss"], info.get("seed")
+    drafter_path = (doc.get("drafter") or {}).get("path")
+    if drafter_path and Path(drafter_path).parent.is_dir():
+        info = training_run_info(Path(drafter_path).parent) or {}
+        if info.get("loss"):
+            return info["loss"], info.get("seed")
+    return path.parent.name or str(path), None
+
+
+def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -> list[Run]:
+    """Read every results.json under ``paths`` and name each configuration (see the module docstring)."""
+    files = find_results(paths)
+    if names is not None and len(names) != len(files):
+        listing = "\n  ".join(map(str, files))
+        raise ValueError(f"--names gives {len(names)} names for {len(files)} results files:\n  {listing}")
+    docs = []
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e})") from e
+        if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
+            raise TypeError(f"{f}: not an experiments.evaluate results.json (no `results` mapping)")
+        docs.append(doc)
+    if names is not None:
+        labels = list(names)
+        configs, seeds = list(names), [None] * len(names)
+    else:
+        auto = [_auto_name(f, d) for f, d in zip(files, docs)]
+        configs, seeds = [a[0] for a in auto], [a[1] for a in auto]
+        labels = list(configs)
+        for i, (name, seed) in enumerate(auto):  # disambiguate repeats (e.g. seeds of one loss)
+            if configs.count(name) > 1:
+                labels[i] = f"{name}-s{seed}" if seed is not None else f"{name} ({files[i].parent.name})"
+    for i, label in enumerate(labels):
+        if labels.count(label) > 1:
+            labels[i] = f"{label} #{labels[: i + 1].count(label)}"
+    # Seeds are only aggregated when every repeat of a configuration is told apart by its seed.
+    for i, (config, seed) in enumerate(zip(configs, seeds)):
+        if seed is None or sum(c == config and s == seed for c, s in zip(configs, seeds)) > 1:
+            configs[i], seeds[i] = labels[i], None
+    return [Run(name, f, d, config=c, seed=s) for name, f, d, c, s in zip(labels, files, docs, configs, seeds)]
+
+
+def order_runs(runs: Sequence[Run], order: Sequence[str] = (), baseline: str | None = None) -> list[Run]:
+    """Runs sorted by configuration: ``baseline`` first, then those named in ``order`` (configuration or
+    run names) in that order, then the rest as found; a configuration's seeds in seed order."""
+    first = [baseline] if baseline else []
+    rank = {name: i for i, name in enumerate(dict.fromkeys([*first, *order]))}
+    found = {c: i for i, c in enumerate(dict.fromkeys(r.config for r in runs))}
+
+    def key(item: tuple[int, Run]) -> tuple:
+        i, run = item
+        r = rank.get(run.config, rank.get(run.name))
+        seed = run.seed if isinstance(run.seed, int) else i
+        return (0, r) if r is not None else (1, found[run.config]), seed, i
+
+    return [run for _, run in sorted(enumerate(runs), key=key)]
+
+
+def training_curve(run: Run, metric: str = CURVE_METRIC) -> tuple[list[int], list[float]] | None:
+    """``(steps, values)`` of ``metric`` from the first CSV-logger metrics.csv near the run that has it."""
+    for d in run.training_dirs():
+        for path in [d / "metrics.csv", d / "logs" / "metrics.csv", *sorted(d.glob("*/*/metrics.csv"))]:
+            if not path.is_file():
+                continue
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            if not rows or metric not in rows[0]:
+                continue
+            points = {int(float(r["step"])): float(r[metric]) for r in rows if r.get(metric) and r.get("step")}
+            if points:
+                steps = sorted(points)
+                return steps, [points[s] for s in steps]
+    return None

@@ -1,0 +1,286 @@
+"""The numbers of a report: τ per (temperature, suite, configuration) with bootstrap intervals, gains
+over the baseline with paired intervals, the unweighted mean over suites, and aggregates over seeds."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from experiments.reporting.runs import Run
+
+MEAN = "mean"  # the pseudo-suite: unweighted mean of the per-suite τ
+
+
+def _records(entry: dict) -> dict[str, tuple[int, int]] | None:
+    """``{prompt id: (new tokens, steps)}`` of an entry, or None without per-prompt records."""
+    prompts = entry.get("prompts")
+    if not prompts:
+        return None
+    return {str(r["id"]): (int(r["new_tokens"]), int(r["steps"])) for r in prompts}
+
+
+def _rng(seed: int, *parts: Any) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32("/".join(map(str, parts)).encode())])
+
+
+def _tau_draws(records: dict[str, tuple[int, int]], ids: Sequence[str], picks: np.ndarray) -> np.ndarray:
+    """Micro τ of each bootstrap resample: picks (n_boot, N) indexes ``ids`` -> (n_boot,)."""
+    arr = np.array([records[i] for i in ids], dtype=np.float64)  # (N, 2) new tokens, steps
+    return arr[picks, 0].sum(axis=1) / arr[picks, 1].sum(axis=1)
+
+
+def _interval(draws: np.ndarray, alpha: float = 0.05) -> tuple[float, float]:
+    low, high = np.quantile(draws, [alpha / 2, 1 - alpha / 2])
+    return float(low), float(high)
+
+
+def _paired_gain(
+    cfg: list[dict[str, tuple[int, int]] | None], base: list[dict[str, tuple[int, int]] | None],
+    num_bootstrap: int, rng: np.random.Generator,
+) -> tuple[float | None, float | None, int]:
+    """95% interval of mean_s τ_cfg,s / mean_s τ_base,s − 1, resampling the prompts both share, per suite.
+
+    One suite gives the plain ratio; several give the ratio of the unweighted means over suites.
+    Returns ``(low, high, paired prompts)``; (None, None, n) when a suite lacks records or shared prompts.
+    """
+    draws_c, draws_b, paired = [], [], 0
+    for rc, rb in zip(cfg, base):
+        common = sorted(set(rc) & set(rb)) if rc is not None and rb is not None else []
+        if len(common) < 2:
+            return None, None, paired
+        picks = rng.integers(0, len(common), size=(num_bootstrap, len(common)))
+        draws_c.append(_tau_draws(rc, common, picks))
+        draws_b.append(_tau_draws(rb, common, picks))
+        paired += len(common)
+    return (*_interval(np.mean(draws_c, axis=0) / np.mean(draws_b, axis=0) - 1.0), paired)
+
+
+def _mean_cell(entries: list[dict], num_bootstrap: int, rng: np.random.Generator) -> dict:
+    """The unweighted mean of per-suite τ, with a stratified bootstrap interval (prompts resampled per suite)."""
+    cell = {"tau": float(np.mean([e["tau"] for e in entries])), "ci_low": None, "ci_high": None,
+            "num_prompts": sum(int(e.get("num_prompts", 0)) for e in entries)}
+    recs = [_records(e) for e in entries]
+    if all(r is not None and len(r) >= 1 for r in recs):
+        draws = []
+        for r in recs:
+            ids = sorted(r)
+            draws.append(_tau_draws(r, ids, rng.integers(0, len(ids), size=(num_bootstrap, len(ids)))))
+        cell["ci_low"], cell["ci_high"] = _interval(np.mean(draws, axis=0))
+    return cell
+
+
+def _entry_cell(entry: dict) -> dict:
+    return {
+        "tau": float(entry["tau"]),
+        "ci_low": entry.get("tau_ci_low"),
+        "ci_high": entry.get("tau_ci_high"),
+        "tau_macro": entry.get("tau_macro"),
+        "num_prompts": entry.get("num_prompts"),
+        "spec_tokens_per_s": entry.get("spec_tokens_per_s"),
+        "target_tokens_per_s": entry.get("target_tokens_per_s"),
+        "speedup": entry.get("speedup"),
+    }
+
+
+def _overlap(a: dict, b: dict) -> bool | None:
+    if None in (a.get("ci_low"), a.get("ci_high"), b.get("ci_low"), b.get("ci_high")):
+        return None
+    return not (a["ci_low"] > b["ci_high"] or a["ci_high"] < b["ci_low"])
+
+
+def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_bootstrap: int = 1000,
+                 seed: int = 0) -> dict:
+    """All numbers of the report (the content of report.json).
+
+    ``table[t_key][suite][config]`` holds ``tau, ci_low, ci_high, num_prompts`` (plus speeds for real
+    suites) and, for configurations other than the baseline, ``gain`` (τ/τ_baseline − 1),
+    ``gain_ci_low/high`` (paired bootstrap, None without per-prompt records), ``paired_prompts`` and
+    ``ci_overlap`` (whether the τ intervals of the configuration and the baseline overlap). The
+    ``mean`` pseudo-suite averages the suites every configuration evaluated at that temperature.
+    """
+    if not runs:
+        raise ValueError("no runs to report")
+    names = [r.name for r in runs]
+    if baseline is not None and baseline not in names and baseline not in {r.config for r in runs}:
+        raise ValueError(f"baseline configuration {baseline!r} is not among the runs {names}; "
+                         "pass --baseline <name> (or --baseline none)")
+    base_of = {r.name: b.name for r in runs if (b := _baseline_run(runs, r, baseline)) is not None}
+    suites, temps = _suites_and_temperatures(runs)
+    t_keys = sorted(temps, key=temps.get)
+    table: dict[str, dict[str, dict[str, dict]]] = {}
+    curves: dict[str, dict[str, dict[str, dict]]] = {}
+    for key in t_keys:
+        table[key], curves[key] = {}, {}
+        common = [s for s in suites if all(key in run.results.get(s, {}) for run in runs)]
+        for suite in suites + ([MEAN] if len(common) > 1 else []):
+            cells = _tau_cells(runs, key, suite, common, curves[key], num_bootstrap, seed)
+            _add_gains(runs, cells, base_of, key, suite, common if suite == MEAN else [suite], num_bootstrap, seed)
+            table[key][suite] = cells
+    report = {
+        "baseline": baseline,
+        "configurations": [_configuration(r) for r in runs],
+        "suites": suites,
+        "temperatures": {k: temps[k] for k in t_keys},
+        "num_bootstrap": num_bootstrap,
+        "table": table,
+        "curves": curves,
+    }
+    report["across_seeds"] = aggregate_seeds(report)
+    return report
+
+
+def _suites_and_temperatures(runs: Sequence[Run]) -> tuple[list[str], dict[str, float]]:
+    """Every suite in the order found, and every temperature key with its temperature."""
+    suites: list[str] = []
+    temps: dict[str, float] = {}
+    for run in runs:
+        for suite, entries in run.results.items():
+            suites += [suite] if suite not in suites else []
+            for key, entry in entries.items():
+                temps[key] = float(entry.get("temperature", key.lstrip("t")))
+    return suites, temps
+
+
+def _tau_cells(runs: Sequence[Run], key: str, suite: str, common: list[str], curves: dict,
+               num_bootstrap: int, seed: int) -> dict[str, dict]:
+    """Per run, the τ cell of ``suite`` at ``key`` (for ``mean``: over the ``common`` suites); records
+    the a_k and histogram curves of real suites into ``curves``."""
+    cells = {}
+    for run in runs:
+        if suite == MEAN:
+            cells[run.name] = _mean_cell([run.results[s][key] for s in common], num_bootstrap,
+                                         _rng(seed, key, suite, run.name))
+        elif key in run.results.get(suite, {}):
+            entry = run.results[suite][key]
+            cells[run.name] = _entry_cell(entry)
+            curves.setdefault(suite, {})[run.name] = {
+                "position_acceptance": entry.get("position_acceptance"),
+                "accept_hist": entry.get("accept_hist"),
+            }
+    return cells
+
+
+def _add_gains(runs: Sequence[Run], cells: dict[str, dict], base_of: dict[str, str], key: str, suite: str,
+               group: list[str], num_bootstrap: int, seed: int) -> None:
+    """Add to each cell its gain over its baseline run's cell, with the paired interval over ``group``."""
+    names = [r.name for r in runs]
+    for run in runs:
+        cell, base_name = cells.get(run.name), base_of.get(run.name)
+        if cell is None or base_name is None or base_name not in cells:
+            continue
+        base, base_run = cells[base_name], runs[names.index(base_name)]
+        cell["gain"] = cell["tau"] / base["tau"] - 1.0
+        low, high, paired = _paired_gain([_records(run.results[s][key]) for s in group],
+                                         [_records(base_run.results[s][key]) for s in group],
+                                         num_bootstrap, _rng(seed, key, suite, run.name, "gain"))
+        cell.update(baseline_run=base_name, gain_ci_low=low, gain_ci_high=high, paired_prompts=paired,
+                    ci_overlap=_overlap(cell, base))
+
+
+def _configuration(r: Run) -> dict:
+    """A run as report.json lists it (paths as found; :mod:`.write` makes them portable)."""
+    drafter = r.doc.get("drafter") or {}
+    return {
+        "name": r.name,
+        "config": r.config,
+        "seed": r.seed,
+        "results_path": str(r.path),
+        "drafter_path": drafter.get("path"),
+        "description": drafter.get("description"),
+        "training_run": drafter.get("training_run"),
+        "git_commit": r.doc.get("git_commit"),
+    }
+
+
+def _baseline_run(runs: Sequence[Run], run: Run, baseline: str | None) -> Run | None:
+    """The run ``run`` is compared with: the run named ``baseline``; else the ``baseline``
+    configuration's run with the same seed, or its only run. None for the baseline itself."""
+    if baseline is None or run.config == baseline or run.name == baseline:
+        return None
+    named = [r for r in runs if r.name == baseline]
+    if named:
+        return named[0]
+    same = [r for r in runs if r.config == baseline and r.seed == run.seed]
+    every = [r for r in runs if r.config == baseline]
+    return same[0] if same else (every[0] if len(every) == 1 else None)
+
+
+def aggregate_seeds(report: dict) -> dict | None:
+    """Per configuration over its seeds, or None when no configuration has two seeds.
+
+    ``[t_key][suite][config]`` holds ``seeds``, per-seed ``taus``, ``tau_mean``, ``tau_sd`` (sample SD;
+    0 for one seed), ``tau_min/max`` and, against the baseline, per-seed ``gains`` (each seed against
+    the baseline run it was paired with), ``gain_mean`` (mean of per-seed gains), ``gain_min/max`` and
+    ``gains_positive`` (how many seeds gained).
+    """
+    configs: dict[str, list[dict]] = {}
+    for c in report["configurations"]:
+        configs.setdefault(c["config"], []).append(c)
+    if not any(len(v) > 1 and all(c["seed"] is not None for c in v) for v in configs.values()):
+        return None
+    out: dict[str, dict] = {}
+    for key, suites in report["table"].items():
+        out[key] = {}
+        for suite, cells in suites.items():
+            out[key][suite] = {}
+            for config, members in configs.items():
+                hits = [(m["seed"], cells[m["name"]]) for m in members if m["name"] in cells]
+                if not hits:
+                    continue
+                taus = [c["tau"] for _, c in hits]
+                agg = {"seeds": [s for s, _ in hits], "taus": taus, "tau_mean": float(np.mean(taus)),
+                       "tau_sd": float(np.std(taus, ddof=1)) if len(taus) > 1 else 0.0,
+                       "tau_min": float(min(taus)), "tau_max": float(max(taus))}
+                gains = [c["gain"] for _, c in hits if "gain" in c]
+                if gains:
+                    agg.update(gains=gains, gain_mean=float(np.mean(gains)), gain_min=float(min(gains)),
+                               gain_max=float(max(gains)), gains_positive=sum(g > 0 for g in gains))
+                out[key][suite][config] = agg
+    return out
+
+
+def mean_curves(curves: dict[str, tuple[list[int], list[float]]], groups: dict[str, str]
+                ) -> dict[str, tuple[list[int], list[float]]]:
+    """Curves of the runs of each group (``groups``: run name -> group) averaged at the steps all of them logged."""
+    out = {}
+    for group in dict.fromkeys(groups.values()):
+        got = [curves[n] for n, g in groups.items() if g == group and n in curves]
+        if not got:
+            continue
+        steps = sorted(set.intersection(*(set(s) for s, _ in got)))
+        out[group] = (steps, [float(np.mean([dict(zip(s, v))[t] for s, v in got])) for t in steps])
+    return out
+
+
+def seed_view(report: dict) -> dict:
+    """A report-shaped dict with one configuration per seed group, for the plots: τ = mean over seeds with
+    ``ci_low/high`` = the seed range (and ``taus`` per seed); accept histograms summed over seeds and
+    a_k averaged over the seeds that reached slot k."""
+    seeds = report["across_seeds"]
+    configs = list(dict.fromkeys(c["config"] for c in report["configurations"]))
+    members = {c: [m["name"] for m in report["configurations"] if m["config"] == c] for c in configs}
+    table = {key: {suite: {c: {"tau": a["tau_mean"], "ci_low": a["tau_min"], "ci_high": a["tau_max"],
+                                "taus": a["taus"]} for c, a in cells.items()}
+                   for suite, cells in suites.items()} for key, suites in seeds.items()}
+    curves: dict = {}
+    for key, suites in report["curves"].items():
+        curves[key] = {}
+        for suite, by_run in suites.items():
+            curves[key][suite] = {}
+            for c in configs:
+                got = [by_run[n] for n in members[c] if n in by_run]
+                hists = [g["accept_hist"] for g in got if g.get("accept_hist")]
+                accs = [g["position_acceptance"] for g in got if g.get("position_acceptance")]
+                if not got:
+                    continue
+                hist = np.sum(hists, axis=0).tolist() if hists and len({len(h) for h in hists}) == 1 else None
+                acc = None
+                if accs and len({len(a) for a in accs}) == 1:
+                    acc = [float(np.mean(vals)) if (vals := [a[k] for a in accs if a[k] is not None]) else None
+                           for k in range(len(accs[0]))]
+                curves[key][suite][c] = {"position_acceptance": acc, "accept_hist": hist}
+    return {**report, "configurations": [{"name": c, "config": c, "seed": None} for c in configs],
+            "table": table, "curves": curves}

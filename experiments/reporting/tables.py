@@ -1,0 +1,124 @@
+"""report.md: per temperature, tables of τ, gain over the baseline and speed (and across seeds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from experiments.reporting.stats import MEAN
+
+OVERLAP_MARK = "°"
+
+
+def _fmt_tau(cell: dict | None) -> str:
+    if cell is None:
+        return "—"
+    ci = f" [{cell['ci_low']:.3f}, {cell['ci_high']:.3f}]" if cell.get("ci_low") is not None else ""
+    return f"{cell['tau']:.3f}{ci}"
+
+
+def _fmt_gain(cell: dict | None) -> str:
+    if cell is None or "gain" not in cell:
+        return "—"
+    ci = ""
+    if cell.get("gain_ci_low") is not None:
+        ci = f" [{100 * cell['gain_ci_low']:+.1f}%, {100 * cell['gain_ci_high']:+.1f}%]"
+    mark = OVERLAP_MARK if cell.get("ci_overlap") else ""
+    return f"{100 * cell['gain']:+.1f}%{ci}{mark}"
+
+
+def _fmt_speed(cell: dict | None) -> str:
+    if cell is None or cell.get("spec_tokens_per_s") is None:
+        return "—"
+    if cell.get("speedup") is None:
+        return f"{cell['spec_tokens_per_s']:.0f} tok/s"
+    return f"{cell['spec_tokens_per_s']:.0f} / {cell['target_tokens_per_s']:.0f} tok/s = {cell['speedup']:.2f}×"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _fmt_seed_tau(agg: dict | None) -> str:
+    if agg is None:
+        return "—"
+    if len(agg["taus"]) == 1:
+        return f"{agg['tau_mean']:.3f} (1 seed)"
+    return f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}"
+
+
+def _fmt_seed_gain(agg: dict | None) -> str:
+    if agg is None or "gains" not in agg:
+        return "—"
+    per_seed = ", ".join(f"{100 * g:+.1f}" for g in agg["gains"])
+    return f"{100 * agg['gain_mean']:+.1f}% ({per_seed}; {agg['gains_positive']}/{len(agg['gains'])} > 0)"
+
+
+def _seed_sections(report: dict, seeds: dict) -> list[str]:
+    """The across-seeds tables: τ mean ± SD over seeds, and the mean of per-seed paired gains."""
+    configs = list(dict.fromkeys(c["config"] for c in report["configurations"]))
+    base = report["baseline"]
+    counts = {c: sum(m["config"] == c for m in report["configurations"]) for c in configs}
+    lines = ["", "# Across seeds", "",
+             "Each configuration was trained once per seed (" + ", ".join(f"{c}: {n}" for c, n in counts.items())
+             + " runs). τ: mean ± sample SD of the per-seed τ."]
+    if base is not None:
+        lines += ["", (f"Gain: mean over seeds of τ / τ({base}, same seed) − 1; in brackets each seed's gain (%) "
+                       "and how many seeds gained. The per-run sections below give each run's prompt-bootstrap "
+                       "intervals.")]
+    for key, temperature in report["temperatures"].items():
+        columns = list(seeds[key])
+        lines += ["", f"## Temperature {temperature:g}, across seeds", "", "### τ (mean ± SD over seeds)", ""]
+        lines += _table(["configuration", *columns],
+                        [[c, *(_fmt_seed_tau(seeds[key][s].get(c)) for s in columns)] for c in configs])
+        if base is not None:
+            lines += ["", f"### Gain over {base} (mean of per-seed gains)", ""]
+            lines += _table(["configuration", *columns],
+                            [[c, *(_fmt_seed_gain(seeds[key][s].get(c)) for s in columns)]
+                             for c in configs if c != base])
+    return lines
+
+
+def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
+    """report.md: per temperature, tables of τ, gain over the baseline, and speed."""
+    names = [c["name"] for c in report["configurations"]]
+    base = report["baseline"]
+    lines = ["# blockdraft: accepted length per configuration", ""]
+    lines.append("τ = new tokens kept per target verification step (bonus token counted), pooled over a suite's "
+                 "prompts (both MT-Bench turns included); `mean` = unweighted mean over the suites. Intervals: "
+                 f"95% percentile bootstrap over prompts ({report['num_bootstrap']} resamples).")
+    if base is not None:
+        lines += ["", (f"Gain = τ / τ({base}) − 1, with the 95% interval of the ratio from paired resampling "
+                       f"of the prompts both configurations evaluated. {OVERLAP_MARK} marks a gain whose τ "
+                       f"interval overlaps the {base} interval.")]
+    seeds = report.get("across_seeds")
+    if seeds:
+        lines += _seed_sections(report, seeds)
+        lines += ["", "# Per run", ""]
+    lines += ["", "Configurations:", ""]
+    if report.get("runs_folder"):
+        lines += [f"(Paths from the repository's root, or else from the runs' folder `{report['runs_folder']}`.)", ""]
+    lines += [f"- **{c['name']}**: `{c['results_path']}`"
+              + (f" (drafter `{c['drafter_path']}`)" if c.get("drafter_path") else "")
+              + (f" — {c['description']}" if c.get("description") else "")
+              for c in report["configurations"]]
+    for key, temperature in report["temperatures"].items():
+        columns = list(report["table"][key])
+        lines += ["", f"## Temperature {temperature:g}", "", "### τ (95% CI)", ""]
+        lines += _table(["configuration", *columns],
+                        [[n, *(_fmt_tau(report["table"][key][s].get(n)) for s in columns)] for n in names])
+        if base is not None:
+            lines += ["", f"### Gain over {base} (95% CI)", ""]
+            lines += _table(["configuration", *columns],
+                            [[n, *(_fmt_gain(report["table"][key][s].get(n)) for s in columns)]
+                             for n, c in zip(names, report["configurations"]) if base not in (n, c["config"])])
+        speed_cols = [s for s in columns if s != MEAN]
+        lines += ["", "### Speed (speculative / target-only tokens per second = speedup)", ""]
+        lines += _table(["configuration", *speed_cols],
+                        [[n, *(_fmt_speed(report["table"][key][s].get(n)) for s in speed_cols)] for n in names])
+    if plots:
+        lines += ["", "## Plots"]
+        for p in plots:
+            lines += ["", f"![{Path(p).stem}]({Path(p).name})"]
+    return "\n".join(lines) + "\n"

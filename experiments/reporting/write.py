@@ -1,0 +1,130 @@
+"""Writing a report: report.md, report.json and the plots to one folder (and optionally to W&B)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from experiments.data.suites import DEFAULT_CACHE, cache_dir
+from experiments.reporting.plots import (
+    plot_accept_hist,
+    plot_gain,
+    plot_position_acceptance,
+    plot_tau,
+    plot_training_curves,
+)
+from experiments.reporting.runs import CURVE_METRIC, Run, training_curve
+from experiments.reporting.stats import build_report, mean_curves, seed_view
+from experiments.reporting.tables import render_markdown
+
+REPO = Path(__file__).resolve().parents[2]  # the repository (or the installed packages' folder)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def runs_folder(configurations: Sequence[dict]) -> Path | None:
+    """The folder holding every reported run outside the repository (a multirun's sweep dir, the main
+    job's run dir): the deepest common parent of their run folders; None when all are in the repository."""
+    folders = []
+    for c in configurations:
+        training_run = c.get("training_run") or {}
+        for path, is_file in ((c.get("results_path"), True), (c.get("drafter_path"), True),
+                              (training_run.get("run_dir"), False)):
+            if path:
+                full = Path(os.path.expanduser(str(path))).resolve()
+                if not _inside(full, REPO):
+                    folders.append(full.parent if is_file else full)
+    return Path(os.path.commonpath(folders)) if folders else None
+
+
+def portable_path(path: str | Path, *folders: Path | None) -> str:
+    """``path`` relative to the repository when inside it, else to the first of ``folders`` (the runs'
+    folder, ...) holding it; otherwise as given. Committed reports then carry no machine's folders."""
+    full = Path(os.path.expanduser(str(path))).resolve()
+    for folder in (REPO, *folders):
+        if folder is not None and _inside(full, folder):
+            return full.relative_to(folder).as_posix() or "."
+    return str(path)
+
+
+def cache_path(path: str | Path) -> str:
+    """A path inside the blockdraft cache (regenerated data) as ``$BLOCKDRAFT_CACHE/...``; others as given."""
+    full = Path(os.path.expanduser(str(path))).resolve()
+    for folder in dict.fromkeys([cache_dir().resolve(), Path(DEFAULT_CACHE).expanduser().resolve()]):
+        if _inside(full, folder):
+            return "/".join(["$BLOCKDRAFT_CACHE", *full.relative_to(folder).parts])
+    return str(path)
+
+
+def make_paths_portable(report: dict) -> Path | None:
+    """Rewrite the paths of ``report["configurations"]`` (in place; the training-run records are copied
+    first, not changed in the runs' documents): run paths with :func:`portable_path`, a training run's
+    data folder with :func:`cache_path`. Returns the runs' folder."""
+    base = runs_folder(report["configurations"])
+    for c in report["configurations"]:
+        for key in ("results_path", "drafter_path"):
+            if c.get(key):
+                c[key] = portable_path(c[key], base)
+        training_run = dict(c.get("training_run") or {})
+        if training_run.get("run_dir"):
+            training_run["run_dir"] = portable_path(training_run["run_dir"], base)
+        if training_run.get("data_dir"):
+            training_run["data_dir"] = cache_path(training_run["data_dir"])
+        if training_run:
+            c["training_run"] = training_run
+    return base
+
+def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "uniform",
+                 num_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
+    base = make_paths_portable(report)
+    report["runs_folder"] = base.name if base is not None else None
+    if report["across_seeds"]:  # plots show configurations (seed means), not every run
+        view = seed_view(report)
+        plots = [plot_tau(view, out / "tau.png", "Accepted length τ per suite: mean over seeds "
+                          "(error bars: seed range, dots: seeds)")]
+    else:
+        view = report
+        plots = [plot_tau(report, out / "tau.png")]
+    if baseline is not None and report["baseline"] is not None and len(view["configurations"]) > 1:
+        plots.append(plot_gain(view, out / "gain.png", seeds=bool(report["across_seeds"])))
+    plots += [plot_position_acceptance(view, out / "position_acceptance.png"),
+              plot_accept_hist(view, out / "accept_hist.png")]
+    curves = {r.name: c for r in runs if (c := training_curve(r)) is not None}
+    report["training_curves"] = {n: {"steps": s, CURVE_METRIC: v} for n, (s, v) in curves.items()}
+    if curves and report["across_seeds"]:
+        plots.append(plot_training_curves(mean_curves(curves, {r.name: r.config for r in runs}),
+                                          out / "training_curves.png", f"Training: {CURVE_METRIC}, mean over seeds"))
+    elif curves:
+        plots.append(plot_training_curves(curves, out / "training_curves.png"))
+    (out / "report.md").write_text(render_markdown(report, plots))
+    report["files"] = [portable_path(f, base, out.parent) for f in (out / "report.md", out / "report.json", *plots)]
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def log_to_wandb(report: dict, out: str | Path, project: str = "blockdraft", mode: str = "offline",
+                 name: str | None = None) -> str:
+    """Log the PNGs and the τ table to a W&B run (offline by default); returns the run's directory."""
+    import wandb
+
+    run = wandb.init(project=project, mode=mode, dir=str(out), name=name, job_type="report",
+                     config={"baseline": report["baseline"], "configurations": report["configurations"]})
+    images = {f"report/{Path(f).stem}": wandb.Image(str(Path(out) / Path(f).name))
+              for f in report["files"] if f.endswith(".png")}
+    columns = ["configuration", "temperature", "suite", "tau", "ci_low", "ci_high", "gain", "gain_ci_low",
+               "gain_ci_high"]
+    rows = [[n, report["temperatures"][k], s, c["tau"], c.get("ci_low"), c.get("ci_high"), c.get("gain"),
+             c.get("gain_ci_low"), c.get("gain_ci_high")]
+            for k, suites in report["table"].items() for s, cells in suites.items() for n, c in cells.items()]
+    run.log({**images, "report/tau_table": wandb.Table(columns=columns, data=rows)})
+    run_dir = run.dir
+    run.finish()
+    return run_dir

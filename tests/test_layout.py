@@ -1,0 +1,111 @@
+"""The shape of ``experiments/``: thin entry points over library packages, imports that follow the data flow,
+short functions, and committed reports without machine paths."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+MAX_FUNCTION_LINES = 60
+
+
+def is_entry_point(path: Path) -> bool:
+    """A module run as ``python -m ...``: it ends in ``if __name__ == "__main__":``."""
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) for node in tree.body)
+
+
+def entry_points(root: Path = EXPERIMENTS) -> dict[str, Path]:
+    """Dotted name -> file of every entry point under ``root`` (an ``experiments`` folder)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.name != "__init__.py" and is_entry_point(path):
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            found[".".join(parts)] = path
+    return found
+
+
+def imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports (``from a import b`` counts as ``a`` and ``a.b``; relative imports
+    resolved against ``package``), wherever the import statement stands."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            out.add(base)
+            out |= {f"{base}.{alias.name}" for alias in node.names}
+    return out
+
+
+def entry_point_imports(root: Path = EXPERIMENTS) -> list[str]:
+    """``"a imports b"`` for every entry point ``a`` under ``root`` that imports another entry point ``b``."""
+    points = entry_points(root)
+    bad = []
+    for name, path in points.items():
+        package = name.rsplit(".", 1)[0]
+        for module in sorted(imported_modules(path, package) & set(points)):
+            if module != name:
+                bad.append(f"{name} imports {module}")
+    return bad
+
+
+def test_no_entry_point_imports_another():
+    assert entry_point_imports() == []
+
+
+def test_the_check_sees_an_entry_point_importing_another(tmp_path):
+    root = tmp_path / "experiments"
+    root.mkdir()
+    main = 'if __name__ == "__main__":\n    main()\n'
+    (root / "train.py").write_text("def main():\n    pass\n\n\n" + main)
+    (root / "evaluate.py").write_text("from experiments.train import main\n\n\n" + main)
+    (root / "report.py").write_text("def later():\n    from experiments import evaluate\n\n\n" + main)
+    (root / "library.py").write_text("from experiments import train\n")  # a library module may
+    assert entry_point_imports(root) == ["experiments.evaluate imports experiments.train",
+                                         "experiments.report imports experiments.evaluate"]
+
+
+def test_experiments_top_level_holds_only_entry_points():
+    top = {p.stem for p in EXPERIMENTS.glob("*.py") if p.name != "__init__.py"}
+    assert top == {"main", "regenerate", "train", "evaluate", "report", "export", "train_target",
+                   "target_quality", "train_assistant"}
+    assert all(is_entry_point(EXPERIMENTS / f"{name}.py") for name in top)
+    benches = {p.stem for p in (EXPERIMENTS / "bench").glob("*.py") if is_entry_point(p)}
+    assert benches == {"learning", "losses", "step", "train", "verify"}
+
+
+def function_lengths(root: Path = EXPERIMENTS) -> dict[str, int]:
+    """``file:line name`` -> lines (decorators included) of every function under ``root``."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                out[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = node.end_lineno - start + 1
+    return out
+
+
+def test_functions_are_short():
+    long = {k: n for k, n in function_lengths().items() if n > MAX_FUNCTION_LINES}
+    assert long == {}, f"split these into named steps (at most {MAX_FUNCTION_LINES} lines): {long}"
+
+
+MACHINE_PATH = re.compile(r"""(?:^|["'`\s(=])(?:~/|/(?:home|root|tmp|Users|var/folders)/)""")
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in (EXPERIMENTS / "results").rglob("*")
+                                        if p.suffix in {".json", ".md"}))
+def test_committed_reports_hold_no_machine_paths(path):
+    text = (ROOT / path).read_text()
+    hits = [m.group(0) for m in MACHINE_PATH.finditer(text)]
+    assert hits == [], f"{path}: paths of the machine that wrote it ({len(hits)}), e.g. {hits[:3]}"
