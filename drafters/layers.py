@@ -117,26 +117,27 @@ _TARGET_LAYER_NAMES = {
 }
 
 
-def copy_target_layers(drafter: nn.Module, target: nn.Module) -> int:
-    """Warm start: drafter layer i <- the target's decoder layer i (its first layers), where names and
-    shapes match (a Llama target has no q/k norm: those keep their init). Block slots enter as token
-    embeddings, the input the target's first layers were trained on. Returns the tensors copied."""
+def copy_target_layers(drafter: nn.Module, target: nn.Module, first: int = 0) -> int:
+    """Warm start: drafter layer i <- the target's decoder layer ``first + i`` (default: its first
+    layers), where names and shapes match (a Llama target has no q/k norm: those keep their init).
+    Block slots enter as token embeddings, the input the target's first layers were trained on.
+    Returns the tensors copied."""
     base = getattr(target, "model", None)
     layers = getattr(base, "layers", None)
-    if layers is None or len(layers) < len(drafter.layers):
-        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {len(drafter.layers)} "
+    if layers is None or first < 0 or len(layers) < first + len(drafter.layers):
+        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {first + len(drafter.layers)} "
                          f"decoder layers at target.model.layers; {type(target).__name__} has none or fewer")
     copied = 0
     with torch.no_grad():
         for i, layer in enumerate(drafter.layers):
-            theirs = dict(layers[i].named_parameters())
+            theirs = dict(layers[first + i].named_parameters())
             for name, param in layer.named_parameters():
                 source = theirs.get(_TARGET_LAYER_NAMES.get(name, ""))
                 if source is None:
                     continue
                 if source.shape != param.shape:
                     raise ValueError(f"init_layers_from_target: drafter layers.{i}.{name} {tuple(param.shape)} "
-                                     f"!= target layer {i} {tuple(source.shape)}")
+                                     f"!= target layer {first + i} {tuple(source.shape)}")
                 param.copy_(source.float())
                 copied += 1
     return copied

@@ -392,3 +392,21 @@ def test_sampled_speculative_decoding_runs_with_q():
                                top_p=0.9, generator=torch.Generator().manual_seed(0))
     assert [len(t) for t in out.new_tokens] == [16, 16]
     assert 1.0 <= out.tau <= 4.0
+
+
+def test_copy_target_layers_first_and_last():
+    """init_layers_from_target copies the target's first layers; ``first`` picks later ones."""
+    from drafters.layers import copy_target_layers
+
+    target = build_target("llama")  # 3 decoder layers
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1, qk_norm=False,
+                                                init_layers_from_target=True)
+    layers = target.model.layers
+    assert torch.equal(drafter.layers[0].attn.q_proj.weight, layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(drafter.layers[0].attn.q_proj.weight, layers[2].self_attn.q_proj.weight)
+    copied = copy_target_layers(drafter, target, first=2)
+    assert copied == 9  # q, k, v, o, two norms, gate, up, down
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, layers[2].mlp.down_proj.weight)
+    assert torch.equal(drafter.layers[0].input_norm.weight, layers[2].input_layernorm.weight)
+    with pytest.raises(ValueError, match=">= 4 decoder layers"):
+        copy_target_layers(drafter, target, first=3)

@@ -2,7 +2,7 @@
 
     python -m experiments.bench.learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
         [--layers 1] [--block-size 16] [--num-anchors 32] [--target-layer-ids 1 2 3 4 5]
-        [--init current|first_wave] [--gamma G] [--loss-slots N] [--overfit] [--out runs/bench_learning.json]
+        [--init current|first_wave|target_last] [--gamma G] [--loss-slots N] [--overfit] [--out runs/bench_learning.json]
 
 A plain loop (AdamW, warmup + cosine, uniform CE or ``--gamma`` decay, gradient clipping at 1.0), no Lightning: the
 drafter from :meth:`drafters.BlockDiffusionDrafter.from_target`, the context from the feature cache
@@ -12,7 +12,8 @@ Every ``--eval-every`` steps it records, on the validation split (or the trainin
 anchor (on greedy self-distilled data the data's tokens are the target's greedy tokens, so this τ is
 the online T=0 τ; DESIGN.md §4), plus the mean gradient norms of the context path (``fuse``) and
 the drafter layers. ``--init first_wave`` rebuilds the first wave's initialisation (weights std
-0.02, output norm = the target's final norm / sqrt(H)) for comparison.
+0.02, output norm = the target's final norm / sqrt(H)) for comparison; ``--init target_last`` starts
+the drafter as the target's last layer(s) reading the deepest selected state (no help: see README).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from drafters import BlockDiffusionDrafter
 from drafters.data import collate, load_regenerated, sample_anchors, split_by_id
 from drafters.features import FeatureStore, ensure_features
+from drafters.layers import copy_target_layers
 from drafters.model import target_final_norm_weight
 from experiments.data.target import TINY_TARGET_DIR, load_target
 from losses import AcceptanceAlignedLoss
@@ -42,6 +44,19 @@ def first_wave_init(drafter: BlockDiffusionDrafter, target) -> None:
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, 0.02)
         drafter.norm.weight.copy_(target_final_norm_weight(target).float() * drafter.config.hidden_size ** -0.5)
+
+
+def target_last_init(drafter: BlockDiffusionDrafter, target) -> None:
+    """Diagnosis: the drafter's layers <- the target's LAST layers, the fuse picks the deepest selected
+    hidden state and fuse_norm is that layer's input norm, so the context keys/values start equal to
+    the target's own in its last layer (build the drafter with qk_norm=False: Llama has none)."""
+    first = len(target.model.layers) - len(drafter.layers)
+    copy_target_layers(drafter, target, first=first)
+    h = drafter.config.hidden_size
+    with torch.no_grad():
+        drafter.fuse.weight.zero_()
+        drafter.fuse.weight[:, -h:].copy_(torch.eye(h))
+        drafter.fuse_norm.weight.copy_(target.model.layers[first].input_layernorm.weight.float())
 
 
 def rows_of(data, indices, store, max_length):
@@ -83,9 +98,12 @@ def evaluate(drafter, rows, chunk: int = 64) -> dict:
 def train(args, target, train_rows, val_rows) -> list[dict]:
     torch.manual_seed(args.seed)
     drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
-                                                target_layer_ids=args.target_layer_ids)
+                                                target_layer_ids=args.target_layer_ids,
+                                                qk_norm=False if args.init == "target_last" else None)
     if args.init == "first_wave":
         first_wave_init(drafter, target)
+    elif args.init == "target_last":
+        target_last_init(drafter, target)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     warm = max(1, args.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warm if s < warm else
@@ -136,7 +154,7 @@ def main() -> None:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     p.add_argument("--gamma", type=float, default=None, help="positional decay rate (default: uniform CE)")
     p.add_argument("--loss-slots", type=int, default=None, help="train on the first N slots only")
-    p.add_argument("--init", choices=["current", "first_wave"], default="current")
+    p.add_argument("--init", choices=["current", "first_wave", "target_last"], default="current")
     p.add_argument("--overfit", action="store_true", help="train and evaluate on one fixed batch")
     p.add_argument("--train-rows", type=int, default=None, help="use only the first N training rows")
     p.add_argument("--val-rows", type=int, default=24)
