@@ -338,3 +338,17 @@ def test_baseline_errors(assets, tmp_path):
         ev.run_evaluation(_compose([*base, "drafter=prompt_lookup", "drafter.min_ngram=4"]))
     with pytest.raises(TypeError, match="not an evaluation drafter"):
         ev.run_evaluation(_compose([*base, "drafter=dflash"]))  # training's drafter group: refused with a clear error
+
+
+def test_block_drafter_confidence_threshold(assets):
+    """drafter.confidence_threshold reaches the loaded drafter and its results.json config; bad values are named."""
+    from experiments.data.target import load_target
+    from experiments.pipeline.eval_drafters import block_drafter
+
+    target, _ = load_target(str(assets / "target"))
+    plain = block_drafter(target, str(assets / "drafter"))
+    assert plain.drafter.confidence_threshold is None and "confidence_threshold" not in plain.info["config"]
+    cut = block_drafter(target, str(assets / "drafter"), confidence_threshold=0.4)
+    assert cut.drafter.confidence_threshold == 0.4 and cut.info["config"]["confidence_threshold"] == 0.4
+    with pytest.raises(ValueError, match=r"drafter.confidence_threshold=1.5"):
+        block_drafter(target, str(assets / "drafter"), confidence_threshold=1.5)

@@ -45,11 +45,16 @@ def _existing_dir(path: str | Path, what: str) -> Path:
     return directory.resolve()
 
 
-def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
+def block_drafter(target, path: str, name: str | None = None,
+                  confidence_threshold: float | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
+    ``confidence_threshold``: draft only the prefix whose top-1 drafter probability stays above it
+    (:attr:`BlockDiffusionDrafter.confidence_threshold`; exact; None = always the whole block).
     """
+    if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
+        raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
         drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
@@ -59,11 +64,13 @@ def block_drafter(target, path: str, name: str | None = None) -> EvalDrafter:
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())
     drafter.to(device=weight.device, dtype=weight.dtype).eval()
+    drafter.confidence_threshold = confidence_threshold
+    config = drafter.config.to_dict() | ({"confidence_threshold": confidence_threshold} if confidence_threshold else {})
     return EvalDrafter(drafter, {
         "name": name,
         "kind": "block",
         "path": str(directory),
-        "config": drafter.config.to_dict(),
+        "config": config,
         "weights_sha256": file_digest(sorted(directory.glob("*.safetensors"))),  # results resume only for these
         "num_parameters": sum(p.numel() for p in drafter.parameters()),
         "training_run": training_run_info(directory.parent),
