@@ -11,6 +11,10 @@ Storage (written by ``python -m experiments.regenerate``, read here). A *data di
 Validation split: a stable fraction of the rows held out by a hash of their id
 (:func:`split_by_id`), so it never changes between runs that share a data dir.
 
+Resuming: the training loader (:class:`ResumableLoader` over :class:`EpochShuffle`) is saved in
+Lightning's checkpoints (epoch, batches of it done), so a run killed mid-epoch and resumed sees the
+same batches in the same order as an uninterrupted one.
+
 Anchors (:func:`sample_anchors`): blocks start at random columns of the response region; column
 ``a`` is an anchor when ``prompt_len - 1 <= a <= length - 2``, so slot 1 of its block predicts
 column ``a + 1``, a response token.
@@ -261,12 +265,80 @@ class EpochShuffle(Sampler):
         return iter(torch.randperm(self.n, generator=generator).tolist())
 
 
+class _SkipFirst:
+    """The batches of indices of ``inner``, less the first ones its loader asks to skip (a resumed epoch):
+    indices only, so skipping reads no data. Lazy, so the sampler's epoch is read when iterating."""
+
+    def __init__(self, inner, loader: ResumableLoader):
+        self.inner, self.loader = inner, loader
+
+    def __len__(self) -> int:
+        return len(self.inner)  # the whole epoch: Lightning counts the batches already done itself
+
+    def __iter__(self):
+        skip = self.loader._start_epoch(int(getattr(self.loader.sampler, "epoch", 0)))
+        batches = iter(self.inner)
+        for _ in range(skip):
+            next(batches, None)
+        yield from batches
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position Lightning keeps in its checkpoints (``state_dict``/``load_state_dict``:
+    the epoch and how many of its batches were handed out), so that a run resumed mid-epoch goes on
+    with the rest of the same permutation instead of starting the epoch over.
+
+    Skipping works on the batches of indices (the data of skipped batches is never read), under the
+    sampler of the DataLoader, whatever wraps it (Lightning's ``DistributedSamplerWrapper`` under DDP).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._position = (0, 0)  # (epoch, batches of it handed out)
+        self._resume_at: tuple[int, int] | None = None  # from a checkpoint, for the next iteration
+
+    @property
+    def _index_sampler(self):  # what DataLoader iterators draw their batches of indices from
+        return _SkipFirst(DataLoader._index_sampler.fget(self), self)
+
+    def _start_epoch(self, epoch: int) -> int:
+        """Batches of ``epoch`` to skip now (those done before a resumed checkpoint)."""
+        resume, self._resume_at = self._resume_at, None
+        skip = resume[1] if resume is not None and resume[0] == epoch else 0
+        self._position = (epoch, skip)
+        return skip
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            epoch, served = self._position
+            self._position = (epoch, served + 1)
+            yield batch
+
+    def state_dict(self) -> dict:
+        epoch, served = self._position
+        return {"epoch": epoch, "batches": served}
+
+    def load_state_dict(self, state: dict) -> None:
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+
+        try:
+            epoch, served = int(state["epoch"]), int(state["batches"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"the checkpoint's data loader state {state!r} is not one of a ResumableLoader "
+                             "(epoch, batches)") from None
+        if served >= len(self):  # saved after the epoch's last batch: the next epoch, from its start
+            epoch, served = epoch + 1, 0
+        self._resume_at = (epoch, served)
+        _set_sampler_epoch(self, epoch)  # also for workers that prefetch before Lightning sets it
+
+
 class RegenDataModule(L.LightningDataModule):
     """Train/validation loaders over a regenerated data dir (see the module docstring).
 
     Args:
         data_dir: folder written by ``experiments.regenerate``.
-        batch_size / val_batch_size: sequences per batch (val defaults to batch_size).
+        batch_size / val_batch_size: sequences per batch (val defaults to batch_size), over all ranks:
+            under DDP/FSDP each rank loads ``batch_size / world size`` of them (:meth:`per_rank`).
         max_length: tokens kept per sequence (prompt + response), from the left.
         val_fraction: share of ids held out for validation (stable hash of the id).
         max_val_samples: cap on validation sequences (the first ones by id hash), None = all.
@@ -328,15 +400,27 @@ class RegenDataModule(L.LightningDataModule):
             )
 
     def _loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        sampler = EpochShuffle(len(dataset), self.seed) if shuffle else None
-        return DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
-            collate_fn=functools.partial(collate, pad_token_id=self.pad_token_id), drop_last=False,
-            persistent_workers=self.num_workers > 0,
+        """Training (``shuffle``): a :class:`ResumableLoader` over :class:`EpochShuffle`. Both loaders draw
+        their workers' base seed from their own generator, not from torch's global random stream (which
+        a resumed run restores, :mod:`drafters.resume`)."""
+        return (ResumableLoader if shuffle else DataLoader)(
+            dataset, batch_size=batch_size, sampler=EpochShuffle(len(dataset), self.seed) if shuffle else None,
+            num_workers=self.num_workers, collate_fn=functools.partial(collate, pad_token_id=self.pad_token_id),
+            drop_last=False, persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def per_rank(self, batch_size: int, key: str = "batch_size") -> int:
+        """Rows each rank loads: ``batch_size`` is the global batch, split evenly over the Trainer's ranks
+        (so a step sees the same batch whatever the world size); refuses a split that is not even."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if batch_size % world:
+            raise ValueError(f"data.datamodule.{key}={batch_size} is the global batch: it must be divisible by "
+                             f"the world size {world} (trainer.devices x trainer.num_nodes)")
+        return batch_size // world
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, self.batch_size, shuffle=True)
+        return self._loader(self.train_set, self.per_rank(self.batch_size), shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, self.val_batch_size, shuffle=False)
+        return self._loader(self.val_set, self.per_rank(self.val_batch_size, "val_batch_size"), shuffle=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from drafters.config import DrafterConfig
 
@@ -102,7 +103,18 @@ class DrafterLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
+    #: Recompute the layer's activations in the backward pass (torch.utils.checkpoint) instead of keeping
+    #: them: the activation memory of a training step drops to the layers' inputs, for one more forward
+    #: of the layers. Training only; set by ``BlockDiffusionDrafter.set_gradient_checkpointing`` (config:
+    #: ``drafter.gradient_checkpointing``); not saved with the drafter. Gradients are unchanged.
+    gradient_checkpointing: bool = False
+
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # x (Bt, N, H) -> (Bt, N, H)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, ctx_k, ctx_v, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, ctx_k, ctx_v, mask)
+
+    def _forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attn_norm(x))
 

@@ -110,6 +110,7 @@ class BlockDiffusionDrafter(nn.Module):
         mask_token_id: int | None = None,
         init_from: str | Path | None = None,
         init_layers_from_target: bool = False,
+        gradient_checkpointing: bool = False,
         **overrides: Any,
     ) -> BlockDiffusionDrafter:
         """A freshly initialised drafter sized from ``target.config`` and attached to ``target``.
@@ -124,7 +125,8 @@ class BlockDiffusionDrafter(nn.Module):
         """
         if init_from is not None:
             return _from_checkpoint(cls, target, init_from, block_size=block_size, num_layers=num_layers,
-                                    target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, **overrides)
+                                    target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                    **overrides).set_gradient_checkpointing(gradient_checkpointing)
         tcfg = getattr(target, "config", None)
         if tcfg is None:
             raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
@@ -142,23 +144,29 @@ class BlockDiffusionDrafter(nn.Module):
         if unknown:
             raise ValueError(f"unknown drafter overrides {unknown}; allowed: {sorted(allowed)}")
         fields.update({k: v for k, v in overrides.items() if v is not None})
-        drafter = cls(DrafterConfig(**fields))
-        drafter.attach_target(target)
-        # The output norm starts as the target's final norm, so the shared LM head sees inputs at
-        # the scale it was trained on and the drafter can be as confident as the target from step 1.
-        # (Shrinking it, as the first wave did with final norm / sqrt(H), capped the logit scale:
-        # the weight grows only ~lr per step, and CE under a capped scale is minimised by one
-        # frequent-token direction, the collapse of DESIGN.md §6. With the 0.02-std weights of then,
-        # the constant MASK embedding also outweighed what the layers added to the block states;
-        # the fan-in init above fixes that. One batch of 8 answers: slot-1 accuracy stuck at 0.07
-        # for 75 steps before, 1.00 after 50 steps now.)
+        drafter = cls(DrafterConfig(**fields)).attach_target(target)
+        # The output norm starts as the target's final norm, so the shared LM head sees inputs at the scale it
+        # was trained on and the drafter can be as confident as the target from step 1. (Shrinking it, as the
+        # first wave did with final norm / sqrt(H), capped the logit scale: the weight grows only ~lr per
+        # step, and CE under a capped scale is minimised by one frequent-token direction, the collapse of
+        # DESIGN.md §6. With the 0.02-std weights of then, the constant MASK embedding also outweighed what
+        # the layers added to the block states; the fan-in init above fixes that. One batch of 8 answers:
+        # slot-1 accuracy stuck at 0.07 for 75 steps before, 1.00 after 50 steps now.)
         final_norm = target_final_norm_weight(target)
         with torch.no_grad():
             if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
                 drafter.norm.weight.copy_(final_norm.float())
         if init_layers_from_target:
             copy_target_layers(drafter, target)
-        return drafter
+        return drafter.set_gradient_checkpointing(gradient_checkpointing)
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> BlockDiffusionDrafter:
+        """Recompute each drafter layer's activations in the backward pass (``torch.utils.checkpoint``)
+        instead of storing them: less memory per training step for one more forward of the layers; the
+        gradients are the same. Inference is unaffected. Returns the drafter."""
+        for layer in self.layers:
+            layer.gradient_checkpointing = bool(enabled)
+        return self
 
     def attach_target(self, target: nn.Module) -> BlockDiffusionDrafter:
         """Use ``target``'s input embedding and LM head (frozen in place); checks it fits the drafter."""

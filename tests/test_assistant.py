@@ -130,3 +130,16 @@ def test_replayed_tau_is_the_online_tau(env):
         online_steps += out.num_target_forwards
     assert module._val["kept"] == online_kept and module._val["steps"] == online_steps
     assert 1.0 < online_kept / online_steps < K + 1
+
+
+def test_damaged_checkpoint_is_named(env, monkeypatch):
+    from drafters.locks import DamagedFileError
+
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(env["root"] / "runs"))
+    run_dir = env["root"] / "runs" / "damaged"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"garbage, not a checkpoint")
+    with pytest.raises(DamagedFileError, match=f"checkpoint {last} cannot be read") as info:
+        run_main(train_assistant, _args(env, run_dir, 2))
+    assert "weights_only" not in str(info.value) and not (run_dir / "logs").exists()  # nothing touched

@@ -12,6 +12,7 @@ from drafters.data import (
     EpochShuffle,
     RegenDataModule,
     RegenDataset,
+    ResumableLoader,
     collate,
     finished_ids,
     load_regenerated,
@@ -143,6 +144,34 @@ def test_epoch_shuffle_depends_on_epoch_only():
     assert sorted(first) == list(range(10)) and first != second
     s.set_epoch(0)
     assert list(s) == first
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_resumable_loader_goes_on_where_its_state_stopped(num_workers):
+    def loader():  # as RegenDataModule's training loader: EpochShuffle, a last partial batch
+        return ResumableLoader(list(range(11)), batch_size=3, sampler=EpochShuffle(11, seed=5),
+                               num_workers=num_workers, generator=torch.Generator().manual_seed(0))
+
+    straight = loader()
+    epochs = []
+    for epoch in range(2):
+        straight.sampler.set_epoch(epoch)
+        epochs.append([b.tolist() for b in straight])
+    for epoch, batches in ((0, 2), (1, 1), (0, 4)):  # mid-epoch; the last batch of epoch 0: epoch 1 next
+        first = loader()
+        first.sampler.set_epoch(epoch)
+        it = iter(first)
+        assert [next(it).tolist() for _ in range(batches)] == epochs[epoch][:batches]
+        state = first.state_dict()
+        assert state == {"epoch": epoch, "batches": batches}
+        resumed = loader()
+        resumed.load_state_dict(state)
+        if batches == len(resumed):
+            assert resumed.sampler.epoch == epoch + 1
+            assert [b.tolist() for b in resumed] == epochs[epoch + 1]
+        else:
+            assert len(resumed) == 4 and [b.tolist() for b in resumed] == epochs[epoch][batches:]
+        assert [b.tolist() for b in resumed] == epochs[resumed.sampler.epoch]  # later iterations: whole epochs
 
 
 def test_datamodule_truncates_drops_and_splits(tmp_path):

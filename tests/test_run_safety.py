@@ -111,6 +111,21 @@ def test_a_second_training_of_the_same_name_refuses(env):
     assert not (env["runs"] / "busy" / "logs").exists()  # nothing written
 
 
+def test_a_second_evaluation_into_a_busy_run_folder_refuses(env):
+    from experiments import evaluate
+
+    folder = env["root"] / "runs" / "evaluate" / "busy"
+    child = start_holder(folder, 30.0)
+    try:
+        with pytest.raises(locks.FolderBusyError, match=f"run folder .*busy is in use by pid {child.pid} on host "):
+            run_main(evaluate, ["target=hf", f"target.path={env['target']}", "drafter=prompt_lookup",
+                                "suite=humaneval", f"hydra.run.dir={folder}"])
+    finally:
+        child.kill()
+        child.wait()
+    assert not (folder / "results.json").exists() and not (folder / "logs").exists()
+
+
 # ----------------------------------------------------------------------------- 4. guarded resumes
 
 

@@ -19,6 +19,7 @@ Validation (:class:`AssistantLM`) on the held-out rows, response tokens only:
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -31,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from drafters import locks
 from drafters.data import read_meta
 from drafters.tau import greedy_walk
 from experiments.data.target import load_target
@@ -236,7 +238,8 @@ def train_assistant(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
                          num_draft_tokens=cfg.num_draft_tokens)
 
     last = run_dir / "checkpoints" / "last.ckpt"
-    first_step = int(torch.load(last, map_location="cpu", weights_only=True)["global_step"]) if last.is_file() else None
+    # checked before anything changes: a damaged file is named (drafters.locks.DamagedFileError)
+    first_step = int(locks.read_checkpoint(last, ("global_step",))["global_step"]) if last.is_file() else None
     logger = hydra.utils.instantiate(cfg.logger)
     if first_step is not None:
         _keep_earlier_csv(logger, first_step)
@@ -245,7 +248,9 @@ def train_assistant(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
     if first_step is None:  # a fresh run: measure the initialisation
         trainer.validate(module, datamodule=datamodule, verbose=False)
         start_file.write_text(json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}, indent=1))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if first_step is not None else None)
+    safe = {"weights_only": True} if first_step is not None and "weights_only" in \
+        inspect.signature(trainer.fit).parameters else {}  # Lightning loads it the safe way, as checked above
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if first_step is not None else None, **safe)
     trainer.save_checkpoint(str(last))
     if trainer.global_step % cfg.train.val_every != 0 or trainer.global_step == (first_step or 0):
         trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -253,7 +258,7 @@ def train_assistant(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
 
     meta = training_record(cfg, module, trainer, datamodule, overrides)
     meta["resumed_from_step"] = first_step
-    meta["val_at_start"] = json.loads(start_file.read_text()) if start_file.is_file() else None
+    meta["val_at_start"] = locks.read_json(start_file, "validation record") if start_file.is_file() else None
     export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"
     export_assistant(model, str(cfg.target.path), export_dir, cfg.export_dtype, meta)
     (run_dir / "train_summary.json").write_text(json.dumps(meta, indent=1) + "\n")

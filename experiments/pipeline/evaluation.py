@@ -23,7 +23,8 @@ fingerprint and path, the git commit, and ``results[suite]["t<temperature>"]``.
 Each finished (suite, temperature) is written at once (temp file + rename); running again with
 ``hydra.run.dir=<that run dir>`` skips it. Each (suite, temperature) has its own generator seeded from
 ``(seed, suite, temperature)``, so a resumed evaluation gives the same numbers as an uninterrupted one
-(wall-clock speeds aside). The metrics also go to the logger as ``eval/<suite>/<metric>_t<T>``.
+(wall-clock speeds aside). One process owns the run dir at a time (``<run dir>/.lock``): a second
+evaluation into the same run dir refuses, naming the owner. The metrics also go to the logger as ``eval/<suite>/<metric>_t<T>``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from drafters import locks
 from drafters.locks import read_json, write_json_atomic
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import encode_prompt, left_pad
@@ -320,7 +322,16 @@ def _result_writer(doc: dict, results_path: Path, logger) -> Callable[[str, str,
 
 def run_evaluation(cfg: DictConfig) -> dict:
     """Evaluate the drafter of ``cfg.drafter`` on ``cfg.suite`` with the decoding settings of ``cfg``;
-    returns (and writes to ``cfg.results_path``) the results.json document."""
+    returns (and writes to ``cfg.results_path``) the results.json document.
+
+    The folder of ``results.json`` (the run dir) is owned by one process at a time
+    (:mod:`drafters.locks`, as a training run dir): a second evaluation into it refuses, naming the owner.
+    """
+    with locks.hold(Path(cfg.results_path).expanduser().parent, "run folder"):
+        return _run_evaluation(cfg)
+
+
+def _run_evaluation(cfg: DictConfig) -> dict:
     settings = DecodingSettings.from_config(cfg)
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)

@@ -13,11 +13,14 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
+from drafters.resume import RandomStreams
+
 
 def build_trainer(cfg: DictConfig, logger) -> L.Trainer:
-    """``cfg.trainer`` instantiated with ``logger`` and every callback of ``cfg.callbacks`` (in order)."""
+    """``cfg.trainer`` instantiated with ``logger`` and every callback of ``cfg.callbacks`` (in order), plus
+    :class:`drafters.resume.RandomStreams` (the random streams in every checkpoint: exact resumes)."""
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    return hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
+    return hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks, RandomStreams()])
 
 
 def keep_csv_history(logger) -> Path | None:
@@ -29,8 +32,9 @@ def keep_csv_history(logger) -> Path | None:
         return None
     log_dir = Path(logger.log_dir)
     current = log_dir / "metrics.csv"
-    if current.is_file():
-        current.rename(log_dir / f"metrics.part-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.csv")
+    if current.is_file():  # named in run order, also for several restarts within a second
+        number = len(list(log_dir.glob("metrics.part-*.csv")))
+        current.rename(log_dir / f"metrics.part-{time.strftime('%Y%m%d-%H%M%S')}-{number:04d}-{os.getpid()}.csv")
     warnings.filterwarnings("ignore", message="Experiment logs directory .* will be deleted")  # moved aside
     return log_dir
 

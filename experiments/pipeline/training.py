@@ -9,7 +9,8 @@ csv or wandb).
 
 The run directory is fixed by ``name`` (default ``<target>-<loss>-s<seed>``), so a killed run started
 again with the same command resumes from ``checkpoints/last.ckpt`` (same step, optimizer and
-scheduler state) when the loss, drafter, data and optimiser settings are those saved in
+scheduler state, data position and random streams: it ends as the uninterrupted run, see
+:mod:`drafters.resume`) when the loss, drafter, data and optimiser settings are those saved in
 ``run_settings.json`` (only ``train.max_steps`` may change; otherwise it refuses, naming the
 differences); ``resume=false`` refuses to resume. One process owns the run dir at a time
 (``<run dir>/.lock``, :mod:`drafters.locks`): a second job of the same name refuses. It ends up holding
@@ -106,7 +107,7 @@ RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "sche
                "train.gradient_clip_val", "train.accumulate_grad_batches")
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
                "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
-               "data.datamodule.max_val_samples")
+               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing")
 FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
