@@ -1,7 +1,7 @@
 """Cached target features: the frozen target's selected hidden states, computed once per sequence.
 
 A drafter step then costs only the drafter: the target forward (the larger share of a training
-step, see ``experiments.bench_train``) runs once per regenerated sequence instead of once per step.
+step, see ``experiments.bench.train``) runs once per regenerated sequence instead of once per step.
 
 Layout, beside the regenerated data (``<data dir>/features/<key>/``, ``key`` names the layers, the
 dtype and the length limit)::

@@ -110,7 +110,7 @@ def _pad_id(target, pad_token_id, eos: torch.Tensor) -> int:
 
 
 class _NoClock:
-    """The default step clock: records nothing (:mod:`experiments.step_profile` passes one that does)."""
+    """The default step clock: records nothing (:mod:`experiments.bench.step_profile` passes one that does)."""
 
     def lap(self, name: str) -> None:
         pass
