@@ -6,6 +6,7 @@ assisted generation)."""
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,3 +25,22 @@ def loss_configs(names: Iterable[str]) -> dict[str, DictConfig]:
 def loss_names() -> list[str]:
     """Every loss config under ``conf/loss/``, sorted."""
     return sorted(p.stem for p in (CONF / "loss").glob("*.yaml"))
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory since the last reset (Linux VmHWM; else the lifetime peak)."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.is_file() else []
+    for line in lines:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux

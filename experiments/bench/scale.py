@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench import peak_rss_mb, reset_peak_rss
+
 # Real sizes (the models' config.json), random weights.
 _QWEN3 = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
           "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6}
@@ -50,25 +52,6 @@ SHAPES = {
 OUT = Path("experiments/results/bench/bench_scale.json")
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (Linux); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    """The process's peak resident memory since the last reset (Linux VmHWM; else the lifetime peak)."""
-    status = Path("/proc/self/status")
-    lines = status.read_text().splitlines() if status.is_file() else []
-    for line in lines:
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_rss_mb() -> float:

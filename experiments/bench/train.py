@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import platform
-import resource
 import time
 from pathlib import Path
 
@@ -42,28 +41,12 @@ from drafters.blocks import select_blocks
 from drafters.module import DrafterLightningModule
 from drafters.optim import warmup_cosine
 from drafters.tau import anchor_acceptance
-from experiments.bench import loss_configs
+from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
 
 LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
 def random_target(device: str):
