@@ -8,13 +8,14 @@ memory, and shown to leave the gradients unchanged."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_train import TEXTS, offline_env, run_main, save_target
+from test_train import offline_env, run_main, save_target
 
 from drafters import BlockDiffusionDrafter
 from experiments import train
@@ -29,25 +30,7 @@ SIZES = ["suite=[humaneval,gsm_symbolic]", "data.generation.prompts.per_source=3
          "train.max_steps=3", "train.val_every=3", "train.checkpoint_every=3", "scheduler.warmup_steps=1"]
 
 
-def save_qwen3(path, hidden: int = 32, seed: int = 0):
-    """A random Qwen3 (q/k norms, GQA) with a small byte-level BPE tokenizer and chat template."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    from experiments.data.tokenizer import train_tokenizer
-
-    tok = train_tokenizer(TEXTS, vocab_size=300)
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         tie_word_embeddings=True)
-    config.mask_token_id = tok.mask_token_id
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+save_qwen3 = functools.partial(save_target, arch="qwen3")  # q/k norms, GQA
 
 
 @pytest.mark.parametrize("experiment, save", [("qwen3_gpu", save_qwen3), ("llama3_gpu", save_target)])

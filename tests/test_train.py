@@ -29,20 +29,27 @@ TEXTS = [
 ] * 20
 
 
-def save_target(path, hidden: int = 32, seed: int = 0):
-    """A random Llama with a small byte-level BPE tokenizer (chat template included), saved to ``path``."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+# Per family: config class, model class, and the sizes that differ (Qwen3: q/k norms, GQA, head_dim).
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {"num_attention_heads": 2, "num_key_value_heads": 2}),
+         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})}
+
+
+def save_target(path, hidden: int = 32, seed: int = 0, arch: str = "llama"):
+    """A random Llama (or Qwen3) with a small byte-level BPE tokenizer (chat template included), saved to ``path``."""
+    import transformers
+    from transformers import GenerationConfig
 
     from experiments.data.tokenizer import train_tokenizer
 
+    config_name, model_name, heads = ARCHS[arch]
     tok = train_tokenizer(TEXTS, vocab_size=300)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, **heads,
+        max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
     config.mask_token_id = tok.mask_token_id
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, model_name)(config)
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id)
     model.save_pretrained(path)
