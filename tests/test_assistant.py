@@ -91,6 +91,12 @@ def test_init_from_target_and_errors(env):
                            target.model.embed_tokens.weight)
     with pytest.raises(ValueError, match="init_from_target"):
         asst.build_assistant(target, {**small, "hidden_size": 48, "intermediate_size": 96})
+    partial = asst.build_assistant(target, small, init_from_target="embeddings").state_dict()
+    for name, weight in partial.items():  # shared weights copied, the layers' projections random
+        if ".layers." not in name or name.endswith("proj.weight"):
+            assert torch.equal(weight, target.state_dict()[name]) == (".layers." not in name), name
+    with pytest.raises(ValueError, match="'layers'"):
+        asst.build_assistant(target, small, init_from_target="layers")
 
 
 def test_response_labels_and_leading_correct():

@@ -41,25 +41,35 @@ from experiments.pipeline.trainer import build_trainer
 # ----------------------------------------------------------------------------- model
 
 
-def build_assistant(target, model: dict, init_from_target: bool = True):
+INIT_TEXT = {True: "initialised from the target's embeddings, first layers, final norm and LM head",
+             "embeddings": "embeddings, final norm and LM head from the target, layers random",
+             False: "random initialisation"}
+
+
+def build_assistant(target, model: dict, init_from_target: bool | str = True):
     """A ``LlamaForCausalLM`` with the target's vocabulary and special token ids.
 
     ``model`` holds the architecture (hidden_size, num_hidden_layers, ...; LlamaConfig fields). With
     ``init_from_target`` every weight is copied from the target parameter of the same name (its
     embeddings, first ``num_hidden_layers`` layers, final norm and LM head), so the architecture must
-    match the target's apart from the depth; otherwise the weights are random.
+    match the target's apart from the depth; ``"embeddings"`` copies all but the layers (what a block
+    drafter shares with the target: embeddings, final norm, LM head), the layers stay random;
+    ``False``: every weight random.
     """
+    if init_from_target not in (True, False, "embeddings"):
+        raise ValueError(f"init_from_target must be true, false or 'embeddings', got {init_from_target!r}")
     text = target.config.get_text_config()
     ids = {k: getattr(text, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     assistant = LlamaForCausalLM(LlamaConfig(vocab_size=text.vocab_size, **ids, **model))
     if init_from_target:
-        ours = assistant.state_dict()
+        ours = {k: v for k, v in assistant.state_dict().items()
+                if init_from_target is True or ".layers." not in k}
         theirs = {k: v for k, v in target.state_dict().items() if k in ours}
         wrong = sorted(k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape)
         if wrong:
             raise ValueError(f"init_from_target: the target has no weight of the assistant's shape for {wrong[:4]} "
                              f"(the model settings must match the target's except num_hidden_layers)")
-        assistant.load_state_dict(theirs)
+        assistant.load_state_dict(theirs, strict=init_from_target is True)
     return assistant
 
 
@@ -281,8 +291,7 @@ def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, da
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": model.config.vocab_size,
         "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "init": ("initialised from the target's embeddings, first layers, final norm and LM head"
-                 if cfg.init_from_target else "random initialisation"),
+        "init": INIT_TEXT[cfg.init_from_target],
         "num_draft_tokens": cfg.num_draft_tokens,
         "data_dir": str(datamodule.data_dir).replace(str(Path.home()), "~"),  # no machine paths in the card
         "data_generation": OmegaConf.to_container(cfg.data.generation, resolve=True),
