@@ -3,6 +3,7 @@
     python -m experiments.bench.learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
         [--layers 1] [--block-size 16] [--num-anchors 32] [--target-layer-ids 1 2 3 4 5]
         [--init current|first_wave|target_last] [--gamma G] [--loss-slots N] [--overfit] [--out runs/bench_learning.json]
+        [--val-from <another data dir>]
 
 A plain loop (AdamW, warmup + cosine, uniform CE or ``--gamma`` decay, gradient clipping at 1.0), no Lightning: the
 drafter from :meth:`drafters.BlockDiffusionDrafter.from_target`, the context from the feature cache
@@ -139,6 +140,25 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
         schedule.step()
 
 
+def load_rows(args, target, layer_ids) -> tuple[list[dict], list[dict]]:
+    """Training rows of --data-dir; validation rows of --val-from (default: --data-dir's own split),
+    training rows whose id is held out there dropped so both data sizes are judged on the same answers."""
+    store = FeatureStore(ensure_features(target, args.data_dir, layer_ids, max_length=args.max_length))
+    data = load_regenerated(args.data_dir)
+    train_idx, val_idx = split_by_id(data["id"], 0.05)
+    if args.val_from:
+        val_data = load_regenerated(args.val_from)
+        val_store = FeatureStore(ensure_features(target, args.val_from, layer_ids, max_length=args.max_length))
+        held_out = split_by_id(val_data["id"], 0.05)[1]
+        val_rows = rows_of(val_data, held_out[: args.val_rows], val_store, args.max_length)
+        held_ids = {val_data["id"][i] for i in held_out}
+        train_idx = [i for i in train_idx if data["id"][i] not in held_ids]
+    else:
+        val_rows = rows_of(data, val_idx[: args.val_rows], store, args.max_length)
+    train_rows = rows_of(data, train_idx[: args.train_rows], store, args.max_length)
+    return train_rows, (train_rows[: args.batch_size] if args.overfit else val_rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="a regenerated data dir (experiments.regenerate)")
@@ -158,6 +178,8 @@ def main() -> None:
     p.add_argument("--overfit", action="store_true", help="train and evaluate on one fixed batch")
     p.add_argument("--train-rows", type=int, default=None, help="use only the first N training rows")
     p.add_argument("--val-rows", type=int, default=24)
+    p.add_argument("--val-from", default=None, help="validate on this data dir's held-out answers (e.g. the main "
+                   "job's, to compare data sizes on the same answers); its held-out ids are dropped from training")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -166,12 +188,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_target(args.target)[0]
     layer_ids = args.target_layer_ids or BlockDiffusionDrafter.from_target(target).target_layer_ids
-    store = FeatureStore(ensure_features(target, args.data_dir, layer_ids, max_length=args.max_length))
-    data = load_regenerated(args.data_dir)
-    train_idx, val_idx = split_by_id(data["id"], 0.05)
-    train_rows = rows_of(data, train_idx[: args.train_rows], store, args.max_length)
-    val_rows = train_rows[: args.batch_size] if args.overfit else rows_of(data, val_idx[: args.val_rows], store,
-                                                                          args.max_length)
+    train_rows, val_rows = load_rows(args, target, layer_ids)
     if args.overfit:
         train_rows = val_rows
     if not train_rows or not val_rows:
