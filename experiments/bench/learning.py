@@ -143,18 +143,16 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
 def load_rows(args, target, layer_ids) -> tuple[list[dict], list[dict]]:
     """Training rows of --data-dir; validation rows of --val-from (default: --data-dir's own split),
     training rows whose id is held out there dropped so both data sizes are judged on the same answers."""
-    store = FeatureStore(ensure_features(target, args.data_dir, layer_ids, max_length=args.max_length))
-    data = load_regenerated(args.data_dir)
-    train_idx, val_idx = split_by_id(data["id"], 0.05)
-    if args.val_from:
-        val_data = load_regenerated(args.val_from)
-        val_store = FeatureStore(ensure_features(target, args.val_from, layer_ids, max_length=args.max_length))
-        held_out = split_by_id(val_data["id"], 0.05)[1]
-        val_rows = rows_of(val_data, held_out[: args.val_rows], val_store, args.max_length)
-        held_ids = {val_data["id"][i] for i in held_out}
-        train_idx = [i for i in train_idx if data["id"][i] not in held_ids]
-    else:
-        val_rows = rows_of(data, val_idx[: args.val_rows], store, args.max_length)
+    def open_dir(path):  # (data, feature store, (train indices, held-out indices))
+        store = FeatureStore(ensure_features(target, path, layer_ids, max_length=args.max_length))
+        data = load_regenerated(path)
+        return data, store, split_by_id(data["id"], 0.05)
+
+    data, store, (train_idx, held_out) = open_dir(args.data_dir)
+    val_data, val_store, (_, val_held_out) = open_dir(args.val_from) if args.val_from else (data, store, (None, held_out))
+    val_rows = rows_of(val_data, val_held_out[: args.val_rows], val_store, args.max_length)
+    held_ids = {val_data["id"][i] for i in val_held_out}
+    train_idx = [i for i in train_idx if data["id"][i] not in held_ids]  # a no-op without --val-from
     train_rows = rows_of(data, train_idx[: args.train_rows], store, args.max_length)
     return train_rows, (train_rows[: args.batch_size] if args.overfit else val_rows)
 
