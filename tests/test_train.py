@@ -210,3 +210,23 @@ def test_train_then_evaluate(env):
                      "evaluate.progress=false"])
     results = json.loads((env["root"] / "runs" / "train" / "ev" / "results.json").read_text())
     assert results["results"]["humaneval"]["t0"]["tau"] >= 1.0
+
+
+def test_multirun_report_evaluates_the_baselines(env):
+    """A multirun with MultirunReport(baselines=[prompt_lookup]): the baseline is evaluated once with the
+    jobs' suites and settings, and the report has its row after the trained configuration's."""
+    sweep = env["root"] / "multirun_baselines"
+    settings = ["suite=humaneval", "suite.humaneval.limit=2", "evaluate.temperatures=[0.0]",
+                "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10", "evaluate.measure_target_only=false",
+                "evaluate.progress=false"]
+    callback = ["+hydra.callbacks.report._target_=experiments.reporting.callback.MultirunReport",
+                "+hydra.callbacks.report.num_bootstrap=10", "+hydra.callbacks.report.baselines=[prompt_lookup]"]
+    run_main(train, ["-m", *env["base"], "loss=uniform", "train.max_steps=2", "train.val_every=2",
+                     "evaluate.enabled=true", *settings, *callback, f"hydra.sweep.dir={sweep}"])
+    baseline = json.loads((sweep / "baselines" / "prompt_lookup" / "results.json").read_text())
+    trained = json.loads(next(p for p in sweep.rglob("results.json") if "baselines" not in p.parts).read_text())
+    assert baseline["drafter"]["kind"] == "prompt_lookup"
+    assert baseline["suites"] == trained["suites"] and baseline["settings"] == trained["settings"]
+    assert baseline["results"]["humaneval"]["t0"]["num_prompts"] == 2
+    report = json.loads((sweep / "report" / "report.json").read_text())
+    assert [c["name"] for c in report["configurations"]] == ["uniform", "prompt_lookup"]

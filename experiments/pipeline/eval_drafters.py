@@ -17,13 +17,28 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
+
+import conf
 
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import BlockDiffusionDrafter
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, PromptLookupDrafter
 from verify.hf import output_vocab_size
+
+
+CHOICES_DIR = Path(conf.__file__).parent / "eval" / "drafter"  # the ``drafter=<choice>`` group of experiments.evaluate
+
+
+def drafter_config(choice: str) -> dict:
+    """``conf/eval/drafter/<choice>.yaml``, resolved: what ``experiments.evaluate drafter=<choice>`` composes."""
+    path = CHOICES_DIR / f"{choice}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CHOICES_DIR.glob("*.yaml"))
+        raise ValueError(f"drafter {choice!r}: no conf/eval/drafter/{choice}.yaml (choose one of {known})")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
 @dataclass

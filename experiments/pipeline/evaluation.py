@@ -374,17 +374,32 @@ def evaluate_training_run(cfg: DictConfig) -> dict:
     ``<run dir>/results.json`` beside ``train_summary.json``, where ``experiments.report`` finds both.
     """
     run_dir = Path(cfg.paths.run_dir)
-    settings = {k: v for k, v in OmegaConf.to_container(cfg.evaluate, resolve=True).items() if k != "enabled"}
     logger = OmegaConf.to_container(cfg.logger, resolve=True) | {"name": "eval"}
+    drafter = {"_target_": "experiments.pipeline.eval_drafters.block_drafter", "path": str(run_dir / "drafter"),
+               "name": None}
+    # The drafter was (re)trained: old results of other weights are redone.
+    return evaluate_like_training(cfg, drafter, run_dir, logger=logger, redo_if_changed=True)
+
+
+def evaluate_like_training(cfg: DictConfig, drafter: dict, run_dir: Path, *, logger: dict | None = None,
+                           redo_if_changed: bool = False, seed: int | None = None) -> dict:
+    """Evaluate ``drafter`` (a ``conf/eval/drafter/`` mapping with its ``_target_``) with a training
+    config's target, suites and decoding settings (``cfg.evaluate``) into ``<run_dir>/results.json``.
+
+    ``logger``: a logger config (default: a CSV logger in ``run_dir``); ``seed``: replaces
+    ``cfg.evaluate.seed`` (the T > 0 sampling streams); ``redo_if_changed``: see :func:`_resume`.
+    """
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.evaluate, resolve=True).items() if k != "enabled"}
+    if seed is not None:
+        settings["seed"] = seed
     eval_cfg = OmegaConf.create(settings | {
         "target": OmegaConf.to_container(cfg.target, resolve=True),
         "suite": OmegaConf.to_container(cfg.suite, resolve=True),
-        "logger": logger,
-        "drafter": {"_target_": "experiments.pipeline.eval_drafters.block_drafter",
-                    "path": str(run_dir / "drafter"), "name": None},
+        "logger": logger or {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(run_dir),
+                             "name": "eval", "version": ""},
+        "drafter": drafter,
         "paths": {"run_dir": str(run_dir)},
         "results_path": str(run_dir / "results.json"),
-        "redo_if_changed": True,  # the drafter was (re)trained: old results of other weights are redone
+        "redo_if_changed": redo_if_changed,
     })
     return run_evaluation(eval_cfg)
-
