@@ -199,10 +199,14 @@ def test_seeds_aggregated(tmp_path):
             (d / "logs" / "metrics.csv").write_text(
                 f"step,val/tau_greedy\n0,1.0\n100,{1.2 + seed / 10 + (loss == 'chain') / 10}\n")
             (d / "results.json").write_text(json.dumps(doc))
+    untrained = _docs(5)[0] | {"drafter": {"name": "prompt_lookup", "kind": "prompt_lookup"}}  # one evaluation
+    (tmp_path / "sweep" / "baselines" / "prompt_lookup").mkdir(parents=True)
+    (tmp_path / "sweep" / "baselines" / "prompt_lookup" / "results.json").write_text(json.dumps(untrained))
     out = tmp_path / "out"
-    report = report_cli.main([str(tmp_path / "sweep"), "--out", str(out), "--num-bootstrap", "100"])
+    report = report_cli.main([str(tmp_path / "sweep"), "--out", str(out), "--num-bootstrap", "100",
+                              "--order", "chain", "prompt_lookup"])
     names = [c["name"] for c in report["configurations"]]
-    assert names == ["uniform-s0", "uniform-s1", "chain-s0", "chain-s1"]  # baseline first, seeds in order
+    assert names == ["uniform-s0", "uniform-s1", "chain-s0", "chain-s1", "prompt_lookup"]  # seeds in order
     assert {c["name"]: (c["config"], c["seed"]) for c in report["configurations"]}["chain-s1"] == ("chain", 1)
     seeds = report["across_seeds"]
     for key in TEMPS:
@@ -223,13 +227,16 @@ def test_seeds_aggregated(tmp_path):
         assert seeds[key]["code"]["chain"]["gains"] == pytest.approx([0.5, 0.5])
     md = (out / "report.md").read_text()
     assert "# Across seeds" in md and "# Per run" in md
+    lookup = untrained["results"]["code"]["t0"]["tau"]
+    assert seeds["t0"]["code"]["prompt_lookup"]["taus"] == [lookup] and "gains" not in seeds["t0"]["code"]["prompt_lookup"]
+    assert f"| prompt_lookup | {lookup:.3f} (1 run) |" in md
     assert "+50.0% (+50.0, +50.0; 2/2 > 0)" in md
     agg = seeds["t0"]["chat"]["chain"]
     assert f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}" in md
     for name in ("tau.png", "gain.png", "position_acceptance.png", "accept_hist.png", "training_curves.png"):
         assert (out / name).stat().st_size > 0
     view = rp.seed_view(report)
-    assert [c["name"] for c in view["configurations"]] == ["uniform", "chain"]
+    assert [c["name"] for c in view["configurations"]] == ["uniform", "chain", "prompt_lookup"]
     cell = view["table"]["t1"]["code"]["chain"]
     assert (cell["ci_low"], cell["ci_high"]) == (min(cell["taus"]), max(cell["taus"]))
     assert view["curves"]["t0"]["code"]["chain"]["accept_hist"] == [4, 6, 8, 10]  # summed over the 2 seeds

@@ -44,7 +44,7 @@ def _fmt_seed_tau(agg: dict | None) -> str:
     if agg is None:
         return "—"
     if len(agg["taus"]) == 1:
-        return f"{agg['tau_mean']:.3f} (1 seed)"
+        return f"{agg['tau_mean']:.3f} (1 run)"
     return f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}"
 
 
@@ -61,8 +61,8 @@ def _seed_sections(report: dict, seeds: dict) -> list[str]:
     base = report["baseline"]
     counts = {c: sum(m["config"] == c for m in report["configurations"]) for c in configs}
     lines = ["", "# Across seeds", "",
-             "Each configuration was trained once per seed (" + ", ".join(f"{c}: {n}" for c, n in counts.items())
-             + " runs). τ: mean ± sample SD of the per-seed τ."]
+             "Runs per configuration, one per training seed (" + ", ".join(f"{c}: {n}" for c, n in counts.items())
+             + "; an untrained baseline is one evaluation). τ: mean ± sample SD of the per-seed τ."]
     if base is not None:
         lines += ["", (f"Gain: mean over seeds of τ / τ({base}, same seed) − 1; in brackets each seed's gain (%) "
                        "and how many seeds gained. The per-run sections below give each run's prompt-bootstrap "
