@@ -149,3 +149,19 @@ def test_damaged_checkpoint_is_named(env, monkeypatch):
     with pytest.raises(DamagedFileError, match=f"checkpoint {last} cannot be read") as info:
         run_main(train_assistant, _args(env, run_dir, 2))
     assert "weights_only" not in str(info.value) and not (run_dir / "logs").exists()  # nothing touched
+
+
+def test_a_second_job_into_a_busy_run_folder_refuses(env, monkeypatch):
+    from drafters.locks import FolderBusyError
+    from test_run_safety import start_holder
+
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(env["root"] / "runs"))
+    run_dir = env["root"] / "runs" / "busy"
+    child = start_holder(run_dir, 30.0)
+    try:
+        with pytest.raises(FolderBusyError, match=f"run folder .*busy is in use by pid {child.pid} on host "):
+            run_main(train_assistant, _args(env, run_dir, 2))
+    finally:
+        child.kill()
+        child.wait()
+    assert not (run_dir / "logs").exists() and not (run_dir / "checkpoints").exists()  # nothing written

@@ -227,9 +227,18 @@ def _keep_earlier_csv(logger, step: int) -> None:
 
 
 def train_assistant(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
-    """Train (or resume) the assistant of ``cfg`` and export it; returns the export directory."""
+    """Train (or resume) the assistant of ``cfg`` and export it; returns the export directory.
+
+    One process owns the run dir at a time (:mod:`drafters.locks`, as ``experiments.train``): a second
+    job into it refuses, naming the owner, before anything is written.
+    """
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with locks.hold(run_dir, "run folder"):
+        return _train_assistant(cfg, run_dir, overrides)
+
+
+def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -> Path:
     L.seed_everything(cfg.seed, workers=True)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
