@@ -152,8 +152,9 @@ def test_damaged_checkpoint_is_named(env, monkeypatch):
 
 
 def test_a_second_job_into_a_busy_run_folder_refuses(env, monkeypatch):
-    from drafters.locks import FolderBusyError
     from test_run_safety import start_holder
+
+    from drafters.locks import FolderBusyError
 
     monkeypatch.setenv("BLOCKDRAFT_RUNS", str(env["root"] / "runs"))
     run_dir = env["root"] / "runs" / "busy"

@@ -21,13 +21,11 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import conf
-
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import BlockDiffusionDrafter
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, PromptLookupDrafter
 from verify.hf import output_vocab_size
-
 
 CHOICES_DIR = Path(conf.__file__).parent / "eval" / "drafter"  # the ``drafter=<choice>`` group of experiments.evaluate
 
