@@ -13,6 +13,7 @@ import pytest
 from experiments import report as report_cli
 from experiments import reporting as rp
 from experiments.pipeline.records import training_run_info
+from experiments.reporting.plots import has_gain as plot_has_gain
 from verify.metrics import bootstrap_ci
 
 K = 3
@@ -237,6 +238,7 @@ def test_seeds_aggregated(tmp_path):
         assert (out / name).stat().st_size > 0
     view = rp.seed_view(report)
     assert [c["name"] for c in view["configurations"]] == ["uniform", "chain", "prompt_lookup"]
+    assert plot_has_gain(view, "chain", True) and not plot_has_gain(view, "prompt_lookup", True)  # no empty bars
     cell = view["table"]["t1"]["code"]["chain"]
     assert (cell["ci_low"], cell["ci_high"]) == (min(cell["taus"]), max(cell["taus"]))
     assert view["curves"]["t0"]["code"]["chain"]["accept_hist"] == [4, 6, 8, 10]  # summed over the 2 seeds

@@ -100,15 +100,23 @@ def plot_tau(report: dict, path: Path,
     return _save(plt, fig, axes, names, path)
 
 
+def has_gain(report: dict, name: str, seeds: bool) -> bool:
+    """Whether ``name`` has a gain over the baseline in some cell (per run, or across seeds)."""
+    tables = report["across_seeds"] if seeds else report["table"]
+    return any((suites.get(name) or {}).get("gain_mean" if seeds else "gain") is not None
+               for by_suite in tables.values() for suites in by_suite.values())
+
+
 def plot_gain(report: dict, path: Path, seeds: bool = False) -> Path:
     """Grouped bars of the gain over the baseline (%) per suite, one bar per other configuration; a panel
     per temperature. Error bars: the paired-bootstrap 95% interval, or with ``seeds`` (a
     :func:`seed_view` of a report with ``across_seeds``) the range of per-seed gains, dots per seed."""
     plt = _pyplot()
     base = report["baseline"]
-    names = [c["name"] for c in report["configurations"] if base not in (c["name"], c["config"])]
-    colors = _colors([c["name"] for c in report["configurations"]])
     keys = list(report["temperatures"])
+    names = [c["name"] for c in report["configurations"] if base not in (c["name"], c["config"])
+             and has_gain(report, c["name"], seeds)]  # across seeds, an untrained baseline row has none
+    colors = _colors([c["name"] for c in report["configurations"]])
     fig, axes = _bar_panels(plt, report, len(names), 3.0)
     width = 0.8 / max(len(names), 1)
     for ax, key in zip(axes[:, 0], keys):
