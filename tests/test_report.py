@@ -259,3 +259,12 @@ def test_order_runs():
                              ("c", "c", None)]]
     assert [r.name for r in rp.order_runs(runs, ["c", "b"], "u")] == ["u-s0", "u-s1", "c", "b-s0", "b-s1", "a"]
     assert [r.name for r in rp.order_runs(runs)] == ["b-s0", "b-s1", "a", "u-s0", "u-s1", "c"]
+
+
+def test_multirun_report_checks_its_baselines_at_the_start():
+    from experiments.reporting.callback import MultirunReport
+
+    with pytest.raises(ValueError, match=r"drafter 'prompt_lokup': no conf/eval/drafter/prompt_lokup.yaml "
+                                         r"\(choose one of \['ar_assistant', 'block', 'prompt_lookup'\]\)"):
+        MultirunReport(baselines=["prompt_lookup", "prompt_lokup"])
+    assert MultirunReport(baselines=["prompt_lookup"]).baselines == ["prompt_lookup"]

@@ -33,10 +33,15 @@ class MultirunReport(Callback):
                  name_by_dir: bool = False, baselines: Sequence[str] = (), baseline_seed: int = 0):
         self.baseline, self.num_bootstrap, self.out, self.name_by_dir = baseline, num_bootstrap, out, name_by_dir
         self.baselines, self.baseline_seed = list(baselines), baseline_seed
+        for name in self.baselines:  # a misspelt name fails when the multirun starts, not after its jobs
+            drafter_config(name)
 
     def evaluate_baselines(self, config, sweep_dir: Path) -> None:
         """Evaluate each of ``baselines`` into ``<sweep dir>/baselines/<name>`` (finished ones are skipped)."""
         if not self.baselines:
+            return
+        if not OmegaConf.select(config, "evaluate.enabled", default=False):
+            print("[report] evaluate.enabled is false: the jobs were not evaluated, nor are the baselines", flush=True)
             return
         folder = sweep_dir / "baselines"
         folder.mkdir(parents=True, exist_ok=True)
