@@ -126,3 +126,37 @@ def test_sweeps_vary_their_loss_key(experiment, key):
     assert len(jobs) >= 3 and len({j[key] for j in jobs}) == len(jobs)
     cfg = _compose("train", [f"experiment={experiment}", f"{key}={jobs[0][key]}"])
     assert str(OmegaConf.select(cfg, key)) == jobs[0][key].replace("'", "")
+
+
+REGIME_KEYS = ["data", "train.max_steps", "optimizer", "scheduler", "suite", "evaluate.enabled"]
+
+
+def _regime(cfg) -> dict:
+    return {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=False)
+            if OmegaConf.is_config(OmegaConf.select(cfg, k)) else OmegaConf.select(cfg, k) for k in REGIME_KEYS}
+
+
+@pytest.mark.parametrize("experiment", ["l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma"])
+def test_sweeps_share_the_ablations_regime(experiment):
+    ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
+    assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
+
+
+def test_the_ablations_regime_is_the_main_jobs():
+    """conf/main.yaml restates conf/regime/ablation.yaml as its stages' overrides: they must agree."""
+    main = _compose("main")
+    trained = _compose("train", [*main.data_overrides, *main.train_overrides])
+    ablation = _compose("train", ["experiment=l2r_ablation"])
+    for key in ("data", "train.max_steps", "optimizer", "scheduler"):
+        assert _regime(trained)[key] == _regime(ablation)[key], key
+    evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
+    limits = {name: suite.limit for name, suite in evaluated.suite.items()}
+    assert limits == {name: suite.limit for name, suite in ablation.suite.items()}
+
+
+def test_the_long_run_lengthens_the_regime():
+    ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
+    long = _regime(_compose("train", ["experiment=l2r_long"]))
+    assert long["suite"] == ablation["suite"] and long["data"]["backend"] == ablation["data"]["backend"]
+    assert long["train.max_steps"] > ablation["train.max_steps"]
+    assert long["data"]["generation"]["prompts"]["per_source"] > ablation["data"]["generation"]["prompts"]["per_source"]
