@@ -132,8 +132,8 @@ REGIME_KEYS = ["data", "train.max_steps", "optimizer", "scheduler", "suite", "ev
 
 
 def _regime(cfg) -> dict:
-    return {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=False)
-            if OmegaConf.is_config(OmegaConf.select(cfg, k)) else OmegaConf.select(cfg, k) for k in REGIME_KEYS}
+    values = {k: OmegaConf.select(cfg, k) for k in REGIME_KEYS}
+    return {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
 
 
 @pytest.mark.parametrize("experiment", ["l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma"])
