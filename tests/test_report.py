@@ -268,3 +268,27 @@ def test_multirun_report_checks_its_baselines_at_the_start():
                                          r"\(choose one of \['ar_assistant', 'block', 'prompt_lookup'\]\)"):
         MultirunReport(baselines=["prompt_lookup", "prompt_lokup"])
     assert MultirunReport(baselines=["prompt_lookup"]).baselines == ["prompt_lookup"]
+
+
+def test_committed_paths_carry_no_machine_folder(tmp_path, monkeypatch):
+    """A report's training-run record names the target, its data and its run relative to the repository,
+    the blockdraft cache ($BLOCKDRAFT_CACHE/...) and the runs' folder, never as this machine's absolute paths."""
+    from experiments.pipeline.paths import REPO, cache_path, portable_path
+    from experiments.reporting.write import make_paths_portable
+
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "cache"))
+    target = REPO / "experiments" / "assets" / "tiny_target"
+    data = tmp_path / "cache" / "regen" / "tiny" / "abc"
+    runs = tmp_path / "runs"
+    report = {"configurations": [
+        {"results_path": str(runs / "a" / "results.json"), "drafter_path": None,
+         "training_run": {"target_path": str(target), "data_dir": str(data), "run_dir": str(runs / "a")}},
+        {"results_path": str(runs / "b" / "results.json"), "drafter_path": str(runs / "b" / "drafter"),
+         "training_run": None}]}
+    assert make_paths_portable(report) == runs
+    first, second = report["configurations"]
+    assert first["training_run"] == {"target_path": "experiments/assets/tiny_target",
+                                     "data_dir": "$BLOCKDRAFT_CACHE/regen/tiny/abc", "run_dir": "a"}
+    assert (first["results_path"], second["drafter_path"]) == ("a/results.json", "b/drafter")
+    assert portable_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")  # outside every folder: as given
+    assert cache_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")

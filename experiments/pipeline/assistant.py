@@ -36,6 +36,7 @@ from drafters import locks
 from drafters.data import read_meta
 from drafters.tau import greedy_walk
 from experiments.data.target import load_target
+from experiments.pipeline.paths import cache_path, portable_path
 from experiments.pipeline.trainer import build_trainer
 
 # ----------------------------------------------------------------------------- model
@@ -191,7 +192,7 @@ through `verify.AssistantDrafter` (K forwards per step, exact verification).
 - command: `{meta['command']}`
 - architecture: LlamaForCausalLM, {meta['parameters'] / 1e6:.2f}M parameters, {json.dumps(meta['model'])};
   vocabulary and tokenizer of the target ({meta['vocab_size']} tokens); {meta['init']}
-- data: `{meta['data_dir'].replace(str(Path.home()), '~')}` ({meta['train_rows']} training / {meta['val_rows']} validation rows, the
+- data: `{meta['data_dir']}` ({meta['train_rows']} training / {meta['val_rows']} validation rows, the
   drafters' split by id hash): {json.dumps(meta['data_generation'])}
 - loss: next-token cross-entropy on the response tokens only (the prompt is context)
 - steps: {meta['steps']}, batch {meta['batch_size']} sequences (≤ {meta['max_length']} tokens),
@@ -296,13 +297,13 @@ def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, da
     return {
         "command": " ".join(["python -m experiments.train_assistant", *overrides]),
         "target_path_name": Path(str(cfg.target.path)).name,
-        "target_path": str(cfg.target.path),
+        "target_path": portable_path(cfg.target.path),
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": model.config.vocab_size,
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "init": INIT_TEXT[cfg.init_from_target],
         "num_draft_tokens": cfg.num_draft_tokens,
-        "data_dir": str(datamodule.data_dir).replace(str(Path.home()), "~"),  # no machine paths in the card
+        "data_dir": cache_path(datamodule.data_dir),  # no machine paths in the card
         "data_generation": OmegaConf.to_container(cfg.data.generation, resolve=True),
         "train_rows": len(datamodule.train_set),
         "val_rows": len(datamodule.val_set),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-REPO = Path(__file__).resolve().parents[2]
+from experiments.pipeline.paths import REPO
 
 
 def stage(name: str, module: str, overrides: list[str], log: dict) -> None:

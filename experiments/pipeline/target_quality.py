@@ -28,6 +28,7 @@ from experiments.data import corpora
 from experiments.data.prompts import encode_prompt, left_pad
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
+from experiments.pipeline.paths import portable_path
 from verify import target_generate
 
 
@@ -136,7 +137,7 @@ def measure_quality(cfg: DictConfig) -> dict:
     names = cfg.heldout_sources or ([k for k, w in recipe.mixture.items() if w > 0] if recipe else [])
     sources = {k: (recipe.sources.get(k) if recipe else None) for k in names}
     quality = {
-        "target": str(cfg.target.path),
+        "target": portable_path(cfg.target.path),
         "max_new_tokens": cfg.max_new_tokens,
         "heldout_loss": heldout_loss(model, tokenizer, sources, cfg.seq_len, cfg.max_windows,
                                      recipe.holdout_fraction if recipe else 0.02),

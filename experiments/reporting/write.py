@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments.data.suites import DEFAULT_CACHE, cache_dir
+from experiments.pipeline.paths import REPO, cache_path, inside, portable_path
 from experiments.reporting.plots import (
     plot_accept_hist,
     plot_gain,
@@ -18,12 +18,6 @@ from experiments.reporting.plots import (
 from experiments.reporting.runs import CURVE_METRIC, Run, training_curve
 from experiments.reporting.stats import build_report, mean_curves, seed_view
 from experiments.reporting.tables import render_markdown
-
-REPO = Path(__file__).resolve().parents[2]  # the repository (or the installed packages' folder)
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
 
 
 def runs_folder(configurations: Sequence[dict]) -> Path | None:
@@ -36,28 +30,9 @@ def runs_folder(configurations: Sequence[dict]) -> Path | None:
                               (training_run.get("run_dir"), False)):
             if path:
                 full = Path(os.path.expanduser(str(path))).resolve()
-                if not _inside(full, REPO):
+                if not inside(full, REPO):
                     folders.append(full.parent if is_file else full)
     return Path(os.path.commonpath(folders)) if folders else None
-
-
-def portable_path(path: str | Path, *folders: Path | None) -> str:
-    """``path`` relative to the repository when inside it, else to the first of ``folders`` (the runs'
-    folder, ...) holding it; otherwise as given. Committed reports then carry no machine's folders."""
-    full = Path(os.path.expanduser(str(path))).resolve()
-    for folder in (REPO, *folders):
-        if folder is not None and _inside(full, folder):
-            return full.relative_to(folder).as_posix() or "."
-    return str(path)
-
-
-def cache_path(path: str | Path) -> str:
-    """A path inside the blockdraft cache (regenerated data) as ``$BLOCKDRAFT_CACHE/...``; others as given."""
-    full = Path(os.path.expanduser(str(path))).resolve()
-    for folder in dict.fromkeys([cache_dir().resolve(), Path(DEFAULT_CACHE).expanduser().resolve()]):
-        if _inside(full, folder):
-            return "/".join(["$BLOCKDRAFT_CACHE", *full.relative_to(folder).parts])
-    return str(path)
 
 
 def make_paths_portable(report: dict) -> Path | None:
@@ -74,6 +49,8 @@ def make_paths_portable(report: dict) -> Path | None:
             training_run["run_dir"] = portable_path(training_run["run_dir"], base)
         if training_run.get("data_dir"):
             training_run["data_dir"] = cache_path(training_run["data_dir"])
+        if training_run.get("target_path"):
+            training_run["target_path"] = portable_path(training_run["target_path"])
         if training_run:
             c["training_run"] = training_run
     return base

@@ -1,0 +1,34 @@
+"""Paths as committed files write them: relative to the repository or a run folder, regenerated data
+as ``$BLOCKDRAFT_CACHE/...``, so that no record carries one machine's folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from experiments.data.suites import DEFAULT_CACHE, cache_dir
+
+REPO = Path(__file__).resolve().parents[2]  # the repository (or the installed packages' folder)
+
+
+def inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def portable_path(path: str | Path, *folders: Path | None) -> str:
+    """``path`` relative to the repository when inside it, else to the first of ``folders`` (the runs'
+    folder, ...) holding it; otherwise as given. Committed reports then carry no machine's folders."""
+    full = Path(os.path.expanduser(str(path))).resolve()
+    for folder in (REPO, *folders):
+        if folder is not None and inside(full, folder):
+            return full.relative_to(folder).as_posix() or "."
+    return str(path)
+
+
+def cache_path(path: str | Path) -> str:
+    """A path inside the blockdraft cache (regenerated data) as ``$BLOCKDRAFT_CACHE/...``; others as given."""
+    full = Path(os.path.expanduser(str(path))).resolve()
+    for folder in dict.fromkeys([cache_dir().resolve(), Path(DEFAULT_CACHE).expanduser().resolve()]):
+        if inside(full, folder):
+            return "/".join(["$BLOCKDRAFT_CACHE", *full.relative_to(folder).parts])
+    return str(path)
