@@ -41,6 +41,14 @@ class DrafterConfig:
     # Qwen3 / DFlash layer details (what the DFlash serving format needs, drafters/dflash.py):
     qk_norm: bool = True  # per-head RMSNorm of queries and keys (context keys included) before RoPE
     attention_bias: bool = False  # biases on the q/k/v/o projections
+    # The layerwise design (not DFlash's; export refuses it): drafter layer i reads the target's hidden
+    # state target_layer_ids[i] through its own input norm, as the target's layer of that index reads its
+    # input, instead of one fused context shared by all layers; with the layers copied from the target
+    # (init_layers_from_target) the context keys/values start as the target's own.
+    layerwise_context: bool = False
+    # Slot k's logits come from block position k - 1 (the anchor predicts the next token, as in a causal
+    # LM) instead of position k (DFlash: the anchor's output is unused, MASK slot k predicts token k).
+    shifted: bool = False
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -72,6 +80,11 @@ class DrafterConfig:
             raise ValueError(
                 f"target_layer_ids {bad} out of range: the target has {num_states} hidden states "
                 f"(0 = embeddings .. {num_states - 1} = last layer)"
+            )
+        if self.layerwise_context and len(self.target_layer_ids) != self.num_layers:
+            raise ValueError(
+                f"layerwise_context: each of the {self.num_layers} drafter layers reads one target hidden "
+                f"state, but target_layer_ids {list(self.target_layer_ids)} lists {len(self.target_layer_ids)}"
             )
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(

@@ -121,6 +121,11 @@ def reads_final_output(cfg: DrafterConfig) -> bool:
 def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
     """Raise :class:`DFlashFormatError` where DFlash cannot express ``drafter``; warn where vLLM cannot serve it."""
     cfg: DrafterConfig = drafter.config
+    if cfg.layerwise_context or cfg.shifted:
+        raise DFlashFormatError(
+            f"drafter config layerwise_context={cfg.layerwise_context}, shifted={cfg.shifted}: blockdraft's "
+            "layerwise design, not DFlash's (one fused context for all layers, slot k read from block position "
+            "k); it cannot be served as a DFlash drafter. Evaluate it with experiments.evaluate instead")
     if not cfg.qk_norm:
         raise DFlashFormatError(
             "drafter config qk_norm=False (a drafter saved before q/k norm existed): DFlash layers always "
@@ -151,7 +156,7 @@ def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: in
         target = getattr(drafter, "_target", None)
         limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
         max_position_embeddings = int(limit) if limit else 32768
-    weight_dtype = dtype or drafter.fuse.weight.dtype
+    weight_dtype = dtype or drafter.weight_ref.dtype
     n = cfg.num_layers
     return {
         "architectures": [ARCHITECTURE],

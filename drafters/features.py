@@ -15,7 +15,7 @@ Row order is the data dir's row order (``drafters.data.load_regenerated``). Part
 temporary name and renamed into place, so a killed job leaves only whole parts and resumes after
 the last one. Parts are memory-mapped when read, so the cache may exceed the machine's memory.
 The feature of column c is ``concat(hidden_states[i][c] for i in target_layer_ids)``: exactly what
-:meth:`drafters.BlockDiffusionDrafter.fuse_context` reads, so the drafter's fuse layer (trained)
+:meth:`drafters.BlockDiffusionDrafter.context_kv` reads, so the drafter's context path (trained)
 still runs on every step.
 """
 

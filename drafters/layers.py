@@ -129,40 +129,41 @@ _TARGET_LAYER_NAMES = {
 }
 
 
-def copy_target_layers(drafter: nn.Module, target: nn.Module, first: int = 0) -> int:
-    """Warm start: drafter layer i <- the target's decoder layer ``first + i`` (default: its first
-    layers), where names and shapes match (a Llama target has no q/k norm: those keep their init).
-    Block slots enter as token embeddings, the input the target's first layers were trained on.
+def copy_target_layers(drafter: nn.Module, target: nn.Module, first: int = 0, sources=None) -> int:
+    """Warm start: drafter layer i <- the target's decoder layer ``sources[i]`` (default: ``first + i``,
+    its first layers), where names and shapes match (a Llama target has no q/k norm: those keep their
+    init). Block slots enter as token embeddings, the input the target's first layers were trained on.
     Returns the tensors copied."""
     base = getattr(target, "model", None)
     layers = getattr(base, "layers", None)
-    if layers is None or first < 0 or len(layers) < first + len(drafter.layers):
-        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {first + len(drafter.layers)} "
+    sources = list(range(first, first + len(drafter.layers)) if sources is None else sources)
+    if layers is None or min(sources) < 0 or len(layers) <= max(sources):
+        raise ValueError(f"init_layers_from_target needs a Llama/Qwen-style target with >= {max(sources) + 1} "
                          f"decoder layers at target.model.layers; {type(target).__name__} has none or fewer")
     copied = 0
     with torch.no_grad():
-        for i, layer in enumerate(drafter.layers):
-            theirs = dict(layers[first + i].named_parameters())
+        for i, (layer, source_layer) in enumerate(zip(drafter.layers, sources)):
+            theirs = dict(layers[source_layer].named_parameters())
             for name, param in layer.named_parameters():
                 source = theirs.get(_TARGET_LAYER_NAMES.get(name, ""))
                 if source is None:
                     continue
                 if source.shape != param.shape:
                     raise ValueError(f"init_layers_from_target: drafter layers.{i}.{name} {tuple(param.shape)} "
-                                     f"!= target layer {first + i} {tuple(source.shape)}")
+                                     f"!= target layer {source_layer} {tuple(source.shape)}")
                 param.copy_(source.float())
                 copied += 1
     return copied
 
 
-def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int, mask, skip_anchor: bool):
+def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int, mask, keep: slice | None = None):
     """:meth:`DrafterLayer.forward` for one block per row at inference (x (B, N, H), N = block size).
 
     The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
     ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
     the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1,
-    start + N) is shared by all slots. With ``skip_anchor`` (the last layer) the queries, the MLP
-    and the returned states are slots 1..N-1 only: no head reads the anchor slot's output.
+    start + N) is shared by all slots. With ``keep`` (the last layer: the drafted slots) the queries,
+    the MLP and the returned states are those slots only: no head reads the other slot's output.
     """
     attn = layer.attn
     h = layer.input_norm(x)
@@ -171,8 +172,8 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
     k_buffer[:, :, start:end] = k
     v_buffer[:, :, start:end] = v
     keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
-    if skip_anchor:
-        h, x, cos, sin = h[:, 1:].contiguous(), x[:, 1:], cos[:, 1:], sin[:, 1:]
+    if keep is not None:
+        h, x, cos, sin = h[:, keep].contiguous(), x[:, keep], cos[:, keep], sin[:, keep]
     q = attn._heads(attn.q_proj(h), attn.num_heads)
     if attn.q_norm is not None:
         q = attn.q_norm(q)

@@ -12,8 +12,15 @@ hidden states of every column strictly before the anchor, through
 
 which every drafter layer projects with its own k/v projections into extra keys/values (the block
 slots use the same projections for their own keys/values). Queries come from block slots only,
-attention inside a block is bidirectional, and blocks never see each other. The target's input
-embedding and LM head are used frozen and are never part of the drafter's state dict.
+attention inside a block is bidirectional, and blocks never see each other. Slot k (k = 1..K) is
+read from block position k. The target's input embedding and LM head are used frozen and are never
+part of the drafter's state dict.
+
+The layerwise design (``layerwise_context`` and ``shifted`` in :class:`DrafterConfig`; not servable
+as DFlash) changes two things: drafter layer i reads ``input_norm_i(h_{target_layer_ids[i]})`` as its
+context instead of the shared fused one (so layers copied from the target start with the target's own
+context keys/values), and slot k is read from block position k - 1, so that the anchor's output
+predicts the next token as the target's copied layers were trained to.
 
 Training (:meth:`BlockDiffusionDrafter.forward_train`) and inference (:meth:`reset` /
 :meth:`extend` / :meth:`draft` of the protocol in :mod:`verify.drafter`) go through the same two
@@ -66,8 +73,9 @@ class BlockDiffusionDrafter(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fuse = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
-        self.fuse_norm = RMSNorm(h, config.rms_norm_eps)
+        if not config.layerwise_context:  # DFlash: one context for every layer
+            self.fuse = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+            self.fuse_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         for module in self.modules():
@@ -97,6 +105,11 @@ class BlockDiffusionDrafter(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def weight_ref(self) -> torch.Tensor:
+        """A parameter that every drafter has (the output norm's weight): its dtype and device are the drafter's."""
+        return self.norm.weight
+
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
@@ -120,8 +133,9 @@ class BlockDiffusionDrafter(nn.Module):
 
         ``init_from``: a saved drafter (blockdraft or DFlash format) to start from instead of a fresh
         initialisation; see :func:`_from_checkpoint` for how the other arguments apply then.
-        ``init_layers_from_target``: start the drafter's layers as copies of the target's first
-        layers (:func:`copy_target_layers`) instead of random weights.
+        ``init_layers_from_target``: start the drafter's layers as copies of the target's layers
+        (:func:`copy_target_layers`) instead of random weights: its first layers, or with
+        ``layerwise_context`` the layers whose inputs the drafter's layers read.
         """
         if init_from is not None:
             return _from_checkpoint(cls, target, init_from, block_size=block_size, num_layers=num_layers,
@@ -132,7 +146,9 @@ class BlockDiffusionDrafter(nn.Module):
             raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
         sizes = target_sizes(tcfg)
         fingerprint = target_fingerprint(tcfg)
-        if target_layer_ids is None:
+        if target_layer_ids is None and overrides.get("layerwise_context"):
+            target_layer_ids = tuple(range(num_layers))  # layer i reads the input of the target's layer i
+        elif target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(sizes["num_hidden_layers"])
         if mask_token_id is None:
             mask_token_id = first_attr(tcfg, ["mask_token_id"], sizes["vocab_size"] - 1)
@@ -156,8 +172,9 @@ class BlockDiffusionDrafter(nn.Module):
         with torch.no_grad():
             if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
                 drafter.norm.weight.copy_(final_norm.float())
-        if init_layers_from_target:
-            copy_target_layers(drafter, target)
+        if init_layers_from_target:  # layer i <- the target layer whose input it reads (layerwise), else layer i
+            copy_target_layers(drafter, target, sources=drafter.target_layer_ids if drafter.config.layerwise_context
+                               else None)
         return drafter.set_gradient_checkpointing(gradient_checkpointing)
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> BlockDiffusionDrafter:
@@ -261,27 +278,38 @@ class BlockDiffusionDrafter(nn.Module):
 
     # ---- the core forward (shared by training and inference) -------------------------------------
 
-    def fuse_context(self, states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """Context features (Bt, S, H) from the selected target hidden states: L x (Bt, S, H), or
-        their concatenation (Bt, S, L*H) as :mod:`drafters.features` caches it."""
-        if isinstance(states, torch.Tensor):
-            width = len(self.target_layer_ids) * self.config.hidden_size
-            if states.shape[-1] != width:
-                raise ValueError(f"cached features have width {states.shape[-1]}, expected {width} "
-                                 f"(target_layer_ids {self.target_layer_ids} x hidden {self.config.hidden_size})")
-            x = states.to(self.fuse.weight.dtype)
-        else:
-            x = torch.cat([s.to(self.fuse.weight.dtype) for s in states], dim=-1)  # (Bt, S, L*H)
-        return self.fuse_norm(self.fuse(x))
+    def _concat_states(self, states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """The selected target hidden states, L x (Bt, S, H), or their concatenation (Bt, S, L*H) as
+        :mod:`drafters.features` caches it, as one (Bt, S, L*H) tensor in the drafter's dtype."""
+        dtype = self.weight_ref.dtype
+        if not isinstance(states, torch.Tensor):
+            return torch.cat([s.to(dtype) for s in states], dim=-1)
+        width = len(self.target_layer_ids) * self.config.hidden_size
+        if states.shape[-1] != width:
+            raise ValueError(f"cached features have width {states.shape[-1]}, expected {width} "
+                             f"(target_layer_ids {self.target_layer_ids} x hidden {self.config.hidden_size})")
+        return states.to(dtype)
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor):
-        """Per-layer rotated keys/values, num_layers x ((Bt, h_kv, S, d), (Bt, h_kv, S, d)).
+    def context_kv(self, states: Sequence[torch.Tensor] | torch.Tensor, positions: torch.Tensor):
+        """Per-layer rotated keys/values, num_layers x ((Bt, h_kv, S, d), (Bt, h_kv, S, d)), of the
+        context columns from their selected target hidden states (see :meth:`_concat_states`).
 
-        Context features do not change across drafter layers, so these depend only on the columns
+        DFlash: ``context = RMSNorm(fuse(concat(states)))`` (Bt, S, H), the same for every layer;
+        layerwise: layer i reads ``input_norm_i(states[i])``. Either way they depend only on the columns
         themselves: inference computes them once per column and caches them.
         """
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, context.dtype)
-        return [layer.attn.key_value(context, cos, sin) for layer in self.layers]
+        x = self._concat_states(states)  # (Bt, S, L*H)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        if not self.config.layerwise_context:
+            context = self.fuse_norm(self.fuse(x))  # (Bt, S, H)
+            return [layer.attn.key_value(context, cos, sin) for layer in self.layers]
+        per_layer = x.split(self.config.hidden_size, dim=-1)  # L x (Bt, S, H), L = num_layers
+        return [layer.attn.key_value(layer.input_norm(h), cos, sin) for layer, h in zip(self.layers, per_layer)]
+
+    @property
+    def drafted_slots(self) -> slice:
+        """The block positions whose outputs are the K drafts: 1..B-1 (DFlash), or 0..B-2 when shifted."""
+        return slice(0, -1) if self.config.shifted else slice(1, None)
 
     def block_logits(self, anchor_ids, anchor_positions, kv, mask) -> torch.Tensor:
         """Logits (Bt, A, K, V) of blocks ``[anchor, MASK x K]``.
@@ -294,14 +322,14 @@ class BlockDiffusionDrafter(nn.Module):
         bs = cfg.block_size
         ids = anchor_ids.new_full((bt, num_blocks, bs), cfg.mask_token_id)  # (Bt, A, B)
         ids[:, :, 0] = anchor_ids
-        x = target.get_input_embeddings()(ids.view(bt, num_blocks * bs)).to(self.fuse.weight.dtype)
+        x = target.get_input_embeddings()(ids.view(bt, num_blocks * bs)).to(self.weight_ref.dtype)
         offsets = torch.arange(bs, device=anchor_positions.device)
         positions = (anchor_positions.unsqueeze(-1) + offsets).view(bt, num_blocks * bs)  # (Bt, A*B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)  # (Bt, A*B, H)
-        # (Bt, A, K, H): slots 1..K, made contiguous so the head runs as one plain matmul
-        x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, 1:].contiguous()
+        # (Bt, A, K, H): the drafted slots, made contiguous so the head runs as one plain matmul
+        x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, self.drafted_slots].contiguous()
         head = target.get_output_embeddings()
         return head(x.to(head.weight.dtype)).float()  # (Bt, A, K, V)
 
@@ -340,8 +368,7 @@ class BlockDiffusionDrafter(nn.Module):
         if position_ids is None:
             m = context_mask.long() if context_mask is not None else torch.ones_like(input_ids)
             position_ids = (m.cumsum(-1) - 1).clamp(min=0)
-        context = self.fuse_context(states)  # (Bt, S, H)
-        kv = self.context_kv(context, position_ids)
+        kv = self.context_kv(states, position_ids)
         cols = anchors.clamp(0, seq - 1)  # padding anchors may hold any index
         mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask)
         return self.block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask)
@@ -391,13 +418,13 @@ class BlockDiffusionDrafter(nn.Module):
     def reset(self, batch_size: int) -> None:
         self._columns = 0
         self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
-        self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.fuse.weight.device)
+        self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.weight_ref.device)
         self._set_views()
 
     def _set_views(self) -> None:
         cfg, c = self.config, self._columns
         if self._kv_buffers is None:
-            empty = self.fuse.weight.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
+            empty = self.weight_ref.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
             self._cache_kv = [(empty, empty) for _ in self.layers]
         else:
             self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in self._kv_buffers]
@@ -412,7 +439,7 @@ class BlockDiffusionDrafter(nn.Module):
             return
         if columns > capacity:
             capacity = columns + max(64, columns // 4)
-        cfg, c, w = self.config, self._columns, self.fuse.weight
+        cfg, c, w = self.config, self._columns, self.weight_ref
         rows = self._mask_buffer.shape[0]
         mask = torch.zeros(rows, capacity, dtype=torch.bool, device=w.device)
         mask[:, :c] = self._mask_buffer[:, :c]
@@ -448,7 +475,7 @@ class BlockDiffusionDrafter(nn.Module):
             raise ValueError(f"hidden states {shapes} do not match the new columns {(rows, n)}")
         if n == 0:
             return
-        kv = self.context_kv(self.fuse_context(hidden_states), position_ids)
+        kv = self.context_kv(hidden_states, position_ids)
         c = self._columns
         self._reserve(c + n + self.config.block_size)  # room for the next draft's block too
         for (k_buffer, v_buffer), (k, v) in zip(self._kv_buffers, kv):
@@ -468,7 +495,7 @@ class BlockDiffusionDrafter(nn.Module):
         return self._head(self._draft_states(anchor_ids, anchor_position_ids))
 
     def _draft_states(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
-        """Normalised output states (B, K, H) of slots 1..K of one block per row (the LM head's input)."""
+        """Normalised output states (B, K, H) of the drafted slots of one block per row (the LM head's input)."""
         self._require_cache()
         cfg, target = self.config, self.target
         rows, c, bs = self._mask_buffer.shape[0], self._columns, cfg.block_size
@@ -477,13 +504,14 @@ class BlockDiffusionDrafter(nn.Module):
         mask = self._mask_buffer[:, None, None, : c + bs]  # (B, 1, 1, C + B), the same for every slot
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
         ids[:, 0] = anchor_ids.reshape(rows)
-        x = target.get_input_embeddings()(ids).to(self.fuse.weight.dtype)  # (B, B, H)
+        x = target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, self._kv_buffers)):
-            x = draft_layer(layer, x, cos, sin, k_buffer, v_buffer, c, mask, skip_anchor=i == last)
-        return self.norm(x)  # (B, K, H): the last layer kept slots 1..K only
+            x = draft_layer(layer, x, cos, sin, k_buffer, v_buffer, c, mask,
+                            keep=self.drafted_slots if i == last else None)
+        return self.norm(x)  # (B, K, H): the last layer kept the drafted slots only
 
     def _head(self, states: torch.Tensor) -> torch.Tensor:  # (B, n, H) -> (B, n, V) float32
         head = self.target.get_output_embeddings()

@@ -433,6 +433,10 @@ def test_export_refuses_the_embedding_layer_and_legacy_drafters(tmp_path):
         export_dflash(BlockDiffusionDrafter.from_target(target, target_layer_ids=(0, 2)), tmp_path)
     with pytest.raises(DFlashFormatError, match="qk_norm=False.*expected qk_norm=True"):
         export_dflash(BlockDiffusionDrafter.from_target(target, qk_norm=False), tmp_path)
+    for design in ({"layerwise_context": True, "target_layer_ids": (1,)}, {"shifted": True}):
+        with pytest.raises(DFlashFormatError, match="layerwise design, not DFlash's"):
+            export_dflash(BlockDiffusionDrafter.from_target(target, num_layers=1, **design), tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
 
 
 def test_export_warns_when_the_drafter_reads_the_final_norm_output(tmp_path):

@@ -49,11 +49,23 @@ def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
+    """``dflash``: the default drafter; ``layerwise``: 2 layers reading the target's hidden states 0 and 1
+    each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2)."""
+    if design == "dflash":
+        return BlockDiffusionDrafter.from_target(target, **kwargs)
+    copy = hasattr(getattr(target, "model", None), "layers")
+    return BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
+                                             init_layers_from_target=copy, qk_norm=not copy, **kwargs)
+
+
+@pytest.fixture(scope="module", params=[(a, d) for d in ("dflash", "layerwise") for a in ARCHS],
+                ids=lambda p: "-".join(p))
 def target_and_drafter(request):
-    target = build_target(request.param)
+    arch, design = request.param
+    target = build_target(arch)
     torch.manual_seed(1)
-    return target, BlockDiffusionDrafter.from_target(target, block_size=4)
+    return target, build_drafter(target, design, block_size=4)
 
 
 def _run_target(target, ids):
@@ -368,13 +380,14 @@ def test_bad_inputs():
 # ---- exactness through the verifier ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("design", ["dflash", "layerwise"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 @pytest.mark.parametrize("lengths", [[6], [3, 7, 5]])
-def test_greedy_speculative_decoding_equals_target_greedy(family, lengths):
+def test_greedy_speculative_decoding_equals_target_greedy(family, lengths, design):
     """A random drafter changes only the speed: the output is the target's greedy output."""
     target = tiny_target(family, vocab_size=64)  # shared builder: pad 0, bos 1, eos 2
     torch.manual_seed(7)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = build_drafter(target, design, block_size=4)
     ids, mask = left_padded_prompts(lengths, 64, seed=1)
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=2)
     with torch.no_grad():
@@ -410,3 +423,65 @@ def test_copy_target_layers_first_and_last():
     assert torch.equal(drafter.layers[0].input_norm.weight, layers[2].input_layernorm.weight)
     with pytest.raises(ValueError, match=">= 4 decoder layers"):
         copy_target_layers(drafter, target, first=3)
+
+
+# ---- the layerwise design -----------------------------------------------------------------------
+
+
+def test_layerwise_context_starts_as_the_targets_own_keys_and_values():
+    """Layers copied from a Llama target, each reading the input of the target layer it copies: the
+    context keys/values are the target's own (its KV cache, computed by Hugging Face), layer by layer."""
+    target = build_target("llama")  # 3 layers, GQA, RoPE base 50000
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=2, layerwise_context=True,
+                                                shifted=True, init_layers_from_target=True, qk_norm=False,
+                                                target_layer_ids=[1, 2])
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True, use_cache=True)
+        kv = drafter.context_kv([out.hidden_states[i] for i in (1, 2)], torch.arange(9).expand(2, 9))
+    cache = out.past_key_values
+    for i, layer in enumerate((1, 2)):  # drafter layer i copied target layer 1 + i and reads its input
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        torch.testing.assert_close(kv[i][0], keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv[i][1], values, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(kv[0][0], cache.layers[0].keys, atol=1e-3)  # not any layer's: the one it copies
+
+
+@pytest.mark.parametrize("num_layers, at_least", [(6, 0.7), (2, 0.4)])
+def test_shifted_layerwise_drafter_starts_drafting_the_embedded_targets_next_token(num_layers, at_least):
+    """Before any training, a layerwise drafter whose layers are copies of the embedded target's first
+    layers already predicts the target's greedy next token at slot 1 when slots are shifted (the anchor's
+    output: an early exit of the target, perturbed only by the MASK slots it also attends to), and
+    almost never when slot 1 is read from the MASK position (DFlash's layout). Measured: 0.83 / 0.13
+    with all 6 layers, 0.50 / 0.03 with 2, over 80 greedy tokens of three prompts."""
+    from experiments.data.target import TINY_TARGET_DIR, load_target
+
+    target, tok = load_target(str(TINY_TARGET_DIR))
+    target.float()
+    agreement = {}
+    for shifted in (True, False):
+        drafter = BlockDiffusionDrafter.from_target(target, block_size=16, num_layers=num_layers, shifted=shifted,
+                                                    layerwise_context=True, init_layers_from_target=True,
+                                                    qk_norm=False)
+        hits = total = 0
+        for prompt in ("def add(a, b):\n", "Q: Tom has 3 apples and buys 5 more. How many apples?\nA:",
+                       "Hello, how are you today?"):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                seq = target.generate(ids, max_new_tokens=40, do_sample=False)
+                anchors = torch.arange(ids.shape[1], seq.shape[1] - 1)[None]
+                logits = drafter.forward_train(target(seq, output_hidden_states=True).hidden_states, seq, None,
+                                               anchors)
+            hits += int((logits[0, :, 0].argmax(-1) == seq[0, anchors[0] + 1]).sum())
+            total += anchors.shape[1]
+        agreement[shifted] = hits / total
+    assert agreement[True] >= at_least and agreement[False] <= 0.3, agreement
+
+
+def test_layerwise_config_errors():
+    target = build_target("llama")
+    with pytest.raises(ValueError, match="each of the 2 drafter layers reads one target hidden state"):
+        BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, target_layer_ids=[1, 2, 3])
+    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True)
+    assert drafter.target_layer_ids == (0, 1) and not hasattr(drafter, "fuse")
+    assert not any("fuse" in k for k in drafter.state_dict())
