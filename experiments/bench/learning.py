@@ -2,8 +2,8 @@
 
     python -m experiments.bench.learning --data-dir <regenerated data dir> [--steps 300] [--lr 1e-3]
         [--layers 1] [--block-size 16] [--num-anchors 32] [--target-layer-ids 1 2 3 4 5]
-        [--init current|first_wave|target_last] [--gamma G] [--loss-slots N] [--overfit] [--out runs/bench_learning.json]
-        [--val-from <another data dir>]
+        [--init current|first_wave|target_last|random] [--gamma G] [--loss-slots N] [--overfit]
+        [--design dflash|layerwise] [--unshifted] [--out runs/bench_learning.json] [--val-from <another data dir>]
 
 A plain loop (AdamW, warmup + cosine, uniform CE or ``--gamma`` decay, gradient clipping at 1.0), no Lightning: the
 drafter from :meth:`drafters.BlockDiffusionDrafter.from_target`, the context from the feature cache
@@ -11,10 +11,13 @@ of :mod:`drafters.features` (computed on first use), anchors from :func:`drafter
 Every ``--eval-every`` steps it records, on the validation split (or the training batch with
 ``--overfit``): CE, top-1 accuracy per slot, and the teacher-forced greedy τ over every response
 anchor (on greedy self-distilled data the data's tokens are the target's greedy tokens, so this τ is
-the online T=0 τ; DESIGN.md §4), plus the mean gradient norms of the context path (``fuse``) and
+the online T=0 τ; DESIGN.md §4), plus the mean gradient norms of the context path (``fuse``; layerwise: layer 0's k projection) and
 the drafter layers. ``--init first_wave`` rebuilds the first wave's initialisation (weights std
 0.02, output norm = the target's final norm / sqrt(H)) for comparison; ``--init target_last`` starts
 the drafter as the target's last layer(s) reading the deepest selected state (no help: see README).
+``--design layerwise`` trains the layerwise drafter (``conf/drafter/layerwise.yaml``: layer i copied from
+the target's layer i, reading its input state; slots shifted), ``--unshifted`` without the shift,
+``--init random`` without the copy.
 """
 
 from __future__ import annotations
@@ -96,11 +99,20 @@ def evaluate(drafter, rows, chunk: int = 64) -> dict:
             "acc_mean": float(correct.sum() / count.sum().clamp(min=1)), "tau": kept / max(steps, 1)}
 
 
+def build_drafter(args, target) -> BlockDiffusionDrafter:
+    if args.design == "layerwise":
+        return BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
+                                                 target_layer_ids=args.target_layer_ids, layerwise_context=True,
+                                                 shifted=not args.unshifted, qk_norm=False,
+                                                 init_layers_from_target=args.init != "random")
+    return BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
+                                             target_layer_ids=args.target_layer_ids,
+                                             qk_norm=False if args.init == "target_last" else None)
+
+
 def train(args, target, train_rows, val_rows) -> list[dict]:
     torch.manual_seed(args.seed)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
-                                                target_layer_ids=args.target_layer_ids,
-                                                qk_norm=False if args.init == "target_last" else None)
+    drafter = build_drafter(args, target)
     if args.init == "first_wave":
         first_wave_init(drafter, target)
     elif args.init == "target_last":
@@ -115,7 +127,7 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
         if step % args.eval_every == 0 or step == args.steps:
             point = {"step": step, "seconds": round(time.time() - start, 1), **evaluate(drafter, val_rows)}
             if norms:
-                point["grad_norm_fuse"], point["grad_norm_layers"] = (sum(x) / len(norms) for x in zip(*norms))
+                point["grad_norm_context"], point["grad_norm_layers"] = (sum(x) / len(norms) for x in zip(*norms))
             curve.append(point)
             norms = []
             tqdm.write(json.dumps({k: v for k, v in point.items() if k != "acc_slot"} | {"acc_slot1": point["acc_slot"][0]}))
@@ -134,7 +146,8 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
         optimizer.zero_grad()
         loss.backward()
         layers = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in drafter.layers.parameters() if p.grad is not None))
-        norms.append((float(drafter.fuse.weight.grad.norm()), layers))
+        context = drafter.fuse.weight if hasattr(drafter, "fuse") else drafter.layers[0].attn.k_proj.weight
+        norms.append((float(context.grad.norm()), layers))
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         schedule.step()
@@ -172,7 +185,9 @@ def main() -> None:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     p.add_argument("--gamma", type=float, default=None, help="positional decay rate (default: uniform CE)")
     p.add_argument("--loss-slots", type=int, default=None, help="train on the first N slots only")
-    p.add_argument("--init", choices=["current", "first_wave", "target_last"], default="current")
+    p.add_argument("--init", choices=["current", "first_wave", "target_last", "random"], default="current")
+    p.add_argument("--design", choices=["dflash", "layerwise"], default="dflash")
+    p.add_argument("--unshifted", action="store_true", help="layerwise: read slot k from block position k")
     p.add_argument("--overfit", action="store_true", help="train and evaluate on one fixed batch")
     p.add_argument("--train-rows", type=int, default=None, help="use only the first N training rows")
     p.add_argument("--val-rows", type=int, default=24)
@@ -185,7 +200,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(args.target)[0]
-    layer_ids = args.target_layer_ids or BlockDiffusionDrafter.from_target(target).target_layer_ids
+    layer_ids = args.target_layer_ids or (list(range(args.layers)) if args.design == "layerwise" else
+                                          BlockDiffusionDrafter.from_target(target).target_layer_ids)
     train_rows, val_rows = load_rows(args, target, layer_ids)
     if args.overfit:
         train_rows = val_rows
