@@ -278,33 +278,32 @@ class BlockDiffusionDrafter(nn.Module):
 
     # ---- the core forward (shared by training and inference) -------------------------------------
 
-    def _concat_states(self, states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """The selected target hidden states, L x (Bt, S, H), or their concatenation (Bt, S, L*H) as
-        :mod:`drafters.features` caches it, as one (Bt, S, L*H) tensor in the drafter's dtype."""
-        dtype = self.weight_ref.dtype
-        if not isinstance(states, torch.Tensor):
-            return torch.cat([s.to(dtype) for s in states], dim=-1)
+    def _check_cached_width(self, states: torch.Tensor) -> None:
         width = len(self.target_layer_ids) * self.config.hidden_size
         if states.shape[-1] != width:
             raise ValueError(f"cached features have width {states.shape[-1]}, expected {width} "
                              f"(target_layer_ids {self.target_layer_ids} x hidden {self.config.hidden_size})")
-        return states.to(dtype)
 
     def context_kv(self, states: Sequence[torch.Tensor] | torch.Tensor, positions: torch.Tensor):
         """Per-layer rotated keys/values, num_layers x ((Bt, h_kv, S, d), (Bt, h_kv, S, d)), of the
-        context columns from their selected target hidden states (see :meth:`_concat_states`).
+        context columns from their selected target hidden states: L x (Bt, S, H), or their
+        concatenation (Bt, S, L*H) as :mod:`drafters.features` caches it.
 
         DFlash: ``context = RMSNorm(fuse(concat(states)))`` (Bt, S, H), the same for every layer;
         layerwise: layer i reads ``input_norm_i(states[i])``. Either way they depend only on the columns
         themselves: inference computes them once per column and caches them.
         """
-        x = self._concat_states(states)  # (Bt, S, L*H)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        if not self.config.layerwise_context:
-            context = self.fuse_norm(self.fuse(x))  # (Bt, S, H)
-            return [layer.attn.key_value(context, cos, sin) for layer in self.layers]
-        per_layer = x.split(self.config.hidden_size, dim=-1)  # L x (Bt, S, H), L = num_layers
-        return [layer.attn.key_value(layer.input_norm(h), cos, sin) for layer, h in zip(self.layers, per_layer)]
+        dtype = self.weight_ref.dtype
+        if isinstance(states, torch.Tensor):
+            self._check_cached_width(states)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        if self.config.layerwise_context:  # L = num_layers states, one per layer
+            per_layer = states.split(self.config.hidden_size, dim=-1) if isinstance(states, torch.Tensor) else states
+            return [layer.attn.key_value(layer.input_norm(h.to(dtype)), cos, sin)
+                    for layer, h in zip(self.layers, per_layer)]
+        x = states.to(dtype) if isinstance(states, torch.Tensor) else torch.cat([s.to(dtype) for s in states], -1)
+        context = self.fuse_norm(self.fuse(x))  # (Bt, S, H)
+        return [layer.attn.key_value(context, cos, sin) for layer in self.layers]
 
     @property
     def drafted_slots(self) -> slice:

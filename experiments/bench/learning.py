@@ -200,8 +200,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(args.target)[0]
-    layer_ids = args.target_layer_ids or (list(range(args.layers)) if args.design == "layerwise" else
-                                          BlockDiffusionDrafter.from_target(target).target_layer_ids)
+    layer_ids = args.target_layer_ids or build_drafter(args, target).target_layer_ids
     train_rows, val_rows = load_rows(args, target, layer_ids)
     if args.overfit:
         train_rows = val_rows
