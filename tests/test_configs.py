@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
@@ -162,3 +163,21 @@ def test_the_long_run_lengthens_the_regime():
     assert long["suite"] == ablation["suite"] and long["data"]["backend"] == ablation["data"]["backend"]
     assert long["train.max_steps"] > ablation["train.max_steps"]
     assert long["data"]["generation"]["prompts"]["per_source"] > ablation["data"]["generation"]["prompts"]["per_source"]
+
+
+def test_bench_drafters_are_the_confs():
+    """experiments.bench.drafter_factory builds what `experiments.train drafter=<name>` builds (the step
+    benchmark profiles the main job's layerwise design through it, not a restated copy)."""
+    from conftest import tiny_target
+
+    from experiments.bench import drafter_factory
+
+    GlobalHydra.instance().clear()
+    target = tiny_target(num_layers=3)
+    lw = drafter_factory("layerwise", ["drafter.block_size=8"])(target)
+    expected = _compose("train", ["drafter=layerwise", "drafter.block_size=8"]).drafter
+    assert (lw.config.layerwise_context, lw.config.shifted, lw.config.block_size) == (True, True, 8)
+    assert lw.config.num_layers == expected.num_layers and lw.config.target_layer_ids == (0, 1)
+    torch.testing.assert_close(lw.layers[1].mlp.down_proj.weight, target.model.layers[1].mlp.down_proj.weight)
+    dflash = drafter_factory("dflash", ["drafter.num_layers=2"])(target)
+    assert (dflash.config.layerwise_context, dflash.config.num_layers) == (False, 2)

@@ -1,8 +1,8 @@
 """Cost of one speculative step, part by part, against one target-only step (CPU or GPU).
 
 Profiles the real decoding loop (:mod:`experiments.bench.step_profile`) on the embedded tiny target with
-a randomly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (random weights cost
-what trained ones do) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
+a freshly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (untrained weights cost
+what trained ones do; ``--drafter-config layerwise --num-layers 2`` profiles the main job's design) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
 prompts of 185-215 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
 first ``--skip`` steps, the prefill and the last step are left out. Greedy, and sampling at the
 ``--sampled`` temperatures (variants ``*_T1``). Parts: ``draft`` (of which ``draft_logits@draft``:
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from drafters.model import BlockDiffusionDrafter
+from experiments.bench import drafter_factory
 from experiments.bench.step_profile import (
     TARGET_ONLY,
     Variant,
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a saved drafter, also run end to end (trained_K*); --confidence then applies to it")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8])
     parser.add_argument("--num-layers", type=int, default=1, help="layers of the random drafter")
+    parser.add_argument("--drafter-config", default="dflash",
+                        help="conf/drafter/ choice of the random drafter (dflash, layerwise: its layers copied from the "
+                             "target, which costs what random ones do)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[185, 215], metavar=("MIN", "MAX"),
                         help="HumanEval prompts whose encoded length lies in this range")
@@ -110,8 +114,9 @@ def random_drafters(args, target, device, baseline) -> tuple[dict, dict]:
     for block_size in args.block_sizes:
         torch.manual_seed(args.seed)
         name = f"spec_K{block_size - 1}"
-        drafters[name] = drafter = BlockDiffusionDrafter.from_target(
-            target, block_size=block_size, num_layers=args.num_layers).to(device).eval()
+        build = drafter_factory(args.drafter_config, [f"drafter.block_size={block_size}",
+                                                      f"drafter.num_layers={args.num_layers}"])
+        drafters[name] = drafter = build(target).to(device).eval()
         variants[name] = Variant(drafter)
         if baseline is not None:
             old = baseline[1].BlockDiffusionDrafter(baseline[1].DrafterConfig.from_dict(drafter.config.to_dict()))
