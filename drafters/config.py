@@ -49,6 +49,10 @@ class DrafterConfig:
     # Slot k's logits come from block position k - 1 (the anchor predicts the next token, as in a causal
     # LM) instead of position k (DFlash: the anchor's output is unused, MASK slot k predicts token k).
     shifted: bool = False
+    # Block slots 1..K read the continuation prompt lookup proposes from the row's own tokens up to the
+    # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
+    lookup_hints: bool = False
+    lookup_max_ngram: int = 3
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -86,6 +90,8 @@ class DrafterConfig:
                 f"layerwise_context: each of the {self.num_layers} drafter layers reads one target hidden "
                 f"state, but target_layer_ids {list(self.target_layer_ids)} lists {len(self.target_layer_ids)}"
             )
+        if self.lookup_max_ngram < 1:
+            raise ValueError(f"lookup_max_ngram must be >= 1, got {self.lookup_max_ngram}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"

@@ -126,6 +126,10 @@ def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
             f"drafter config layerwise_context={cfg.layerwise_context}, shifted={cfg.shifted}: blockdraft's "
             "layerwise design, not DFlash's (one fused context for all layers, slot k read from block position "
             "k); it cannot be served as a DFlash drafter. Evaluate it with experiments.evaluate instead")
+    if cfg.lookup_hints:
+        raise DFlashFormatError(
+            "drafter config lookup_hints=True: its block slots read prompt-lookup tokens instead of MASK, which "
+            "DFlash engines do not provide; evaluate it with experiments.evaluate instead")
     if not cfg.qk_norm:
         raise DFlashFormatError(
             "drafter config qk_norm=False (a drafter saved before q/k norm existed): DFlash layers always "

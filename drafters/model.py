@@ -55,6 +55,7 @@ from drafters.config import (
     target_fingerprint,
     target_sizes,
 )
+from drafters.hints import compact_rows, lookup_hints
 from drafters.layers import DrafterLayer, RMSNorm, copy_target_layers, draft_layer, rope_cos_sin
 from verify.rejection import sample_tokens, warp_probs
 
@@ -310,17 +311,30 @@ class BlockDiffusionDrafter(nn.Module):
         """The block positions whose outputs are the K drafts: 1..B-1 (DFlash), or 0..B-2 when shifted."""
         return slice(0, -1) if self.config.shifted else slice(1, None)
 
-    def block_logits(self, anchor_ids, anchor_positions, kv, mask) -> torch.Tensor:
-        """Logits (Bt, A, K, V) of blocks ``[anchor, MASK x K]``.
+    def slot_ids(self, ids: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Input tokens (Bt, A, K) of block slots 1..K: MASK, or with ``lookup_hints`` the prompt-lookup
+        continuation of ``ids[:, :anchor + 1]`` where one exists (:func:`drafters.hints.lookup_hints`).
+        ids: (Bt, S) long; mask: (Bt, S) bool real tokens; anchors: (Bt, A) long columns."""
+        cfg = self.config
+        if not cfg.lookup_hints:
+            return anchors.new_full((*anchors.shape, cfg.num_draft_tokens), cfg.mask_token_id)
+        hints, found = lookup_hints(ids, mask, anchors, cfg.num_draft_tokens, cfg.lookup_max_ngram)
+        return hints.masked_fill(~found.unsqueeze(-1), cfg.mask_token_id)
+
+    def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None) -> torch.Tensor:
+        """Logits (Bt, A, K, V) of blocks ``[anchor, slot_ids]`` (default ``[anchor, MASK x K]``).
 
         anchor_ids, anchor_positions: (Bt, A) long; kv: from :meth:`context_kv` over S columns;
-        mask: (Bt, 1, A*B, S + A*B) bool from :func:`build_block_attention_mask`.
+        mask: (Bt, 1, A*B, S + A*B) bool from :func:`build_block_attention_mask`; slot_ids: (Bt, A, K)
+        long from :meth:`slot_ids`.
         """
         target, cfg = self.target, self.config
         bt, num_blocks = anchor_ids.shape
         bs = cfg.block_size
         ids = anchor_ids.new_full((bt, num_blocks, bs), cfg.mask_token_id)  # (Bt, A, B)
         ids[:, :, 0] = anchor_ids
+        if slot_ids is not None:
+            ids[:, :, 1:] = slot_ids
         x = target.get_input_embeddings()(ids.view(bt, num_blocks * bs)).to(self.weight_ref.dtype)
         offsets = torch.arange(bs, device=anchor_positions.device)
         positions = (anchor_positions.unsqueeze(-1) + offsets).view(bt, num_blocks * bs)  # (Bt, A*B)
@@ -370,7 +384,9 @@ class BlockDiffusionDrafter(nn.Module):
         kv = self.context_kv(states, position_ids)
         cols = anchors.clamp(0, seq - 1)  # padding anchors may hold any index
         mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask)
-        return self.block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask)
+        real = context_mask if context_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        slots = self.slot_ids(input_ids, real, cols) if self.config.lookup_hints else None
+        return self.block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask, slots)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Same as :meth:`forward_train` (so hooks, wrappers and ``torch.compile`` see a forward)."""
@@ -418,6 +434,7 @@ class BlockDiffusionDrafter(nn.Module):
         self._columns = 0
         self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
         self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.weight_ref.device)
+        self._ids_buffer = torch.zeros(batch_size, 0, dtype=torch.long, device=self.weight_ref.device)  # lookup hints
         self._set_views()
 
     def _set_views(self) -> None:
@@ -442,6 +459,8 @@ class BlockDiffusionDrafter(nn.Module):
         rows = self._mask_buffer.shape[0]
         mask = torch.zeros(rows, capacity, dtype=torch.bool, device=w.device)
         mask[:, :c] = self._mask_buffer[:, :c]
+        ids = torch.zeros(rows, capacity, dtype=torch.long, device=w.device)
+        ids[:, :c] = self._ids_buffer[:, :c]
         buffers = []
         for i in range(len(self.layers)):
             k = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
@@ -450,7 +469,7 @@ class BlockDiffusionDrafter(nn.Module):
                 k[:, :, :c] = self._kv_buffers[i][0][:, :, :c]
                 v[:, :, :c] = self._kv_buffers[i][1][:, :, :c]
             buffers.append((k, v))
-        self._kv_buffers, self._mask_buffer = buffers, mask
+        self._kv_buffers, self._mask_buffer, self._ids_buffer = buffers, mask, ids
 
     def _require_cache(self) -> None:
         if self._cache_kv is None or self._cache_mask is None:
@@ -481,6 +500,7 @@ class BlockDiffusionDrafter(nn.Module):
             k_buffer[:, :, c : c + n] = k
             v_buffer[:, :, c : c + n] = v
         self._mask_buffer[:, c : c + n] = attention_mask.bool()
+        self._ids_buffer[:, c : c + n] = input_ids
         self._columns = c + n
         self._set_views()
 
@@ -503,6 +523,8 @@ class BlockDiffusionDrafter(nn.Module):
         mask = self._mask_buffer[:, None, None, : c + bs]  # (B, 1, 1, C + B), the same for every slot
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
         ids[:, 0] = anchor_ids.reshape(rows)
+        if cfg.lookup_hints:  # the committed tokens (holes dropped) and the anchor, as training reads them
+            ids[:, 1:] = self.slot_ids(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))[:, 0]
         x = target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
@@ -580,7 +602,7 @@ class BlockDiffusionDrafter(nn.Module):
         self._require_cache()
         if self._kv_buffers is not None:
             self._kv_buffers = [(k[rows], v[rows]) for k, v in self._kv_buffers]
-        self._mask_buffer = self._mask_buffer[rows]
+        self._mask_buffer, self._ids_buffer = self._mask_buffer[rows], self._ids_buffer[rows]
         self._set_views()
 
     def extra_repr(self) -> str:

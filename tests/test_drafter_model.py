@@ -49,17 +49,27 @@ def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
+DESIGNS = ["dflash", "layerwise", "hinted"]
+
+
 def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
     """``dflash``: the default drafter; ``layerwise``: 2 layers reading the target's hidden states 0 and 1
-    each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2)."""
+    each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2);
+    ``hinted``: layerwise with prompt-lookup hints in the block slots."""
     if design == "dflash":
         return BlockDiffusionDrafter.from_target(target, **kwargs)
     copy = hasattr(getattr(target, "model", None), "layers")
     return BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
-                                             init_layers_from_target=copy, qk_norm=not copy, **kwargs)
+                                             init_layers_from_target=copy, qk_norm=not copy,
+                                             lookup_hints=design == "hinted", **kwargs)
 
 
-@pytest.fixture(scope="module", params=[(a, d) for d in ("dflash", "layerwise") for a in ARCHS],
+def _token_range(drafter) -> int:
+    """Token ids to draw test sequences from: few with lookup hints, so that n-grams repeat."""
+    return 6 if drafter.config.lookup_hints else VOCAB
+
+
+@pytest.fixture(scope="module", params=[(a, d) for d in DESIGNS for a in ARCHS],
                 ids=lambda p: "-".join(p))
 def target_and_drafter(request):
     arch, design = request.param
@@ -130,7 +140,7 @@ def test_hydra_config_builds_drafter():
 def test_forward_train_matches_inference_per_block(target_and_drafter):
     target, drafter = target_and_drafter
     torch.manual_seed(2)
-    ids = torch.randint(0, VOCAB, (2, 14))
+    ids = torch.randint(0, _token_range(drafter), (2, 14))
     pos = torch.arange(14).expand(2, 14)
     states = _run_target(target, ids)
     selected = [states[i] for i in drafter.target_layer_ids]
@@ -150,7 +160,7 @@ def test_inference_with_holes_and_batching_matches_training(target_and_drafter):
     """Rows with different anchors share one column buffer padded with holes (masked columns)."""
     target, drafter = target_and_drafter
     torch.manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, 12))
+    ids = torch.randint(0, _token_range(drafter), (2, 12))
     pos = torch.arange(12).expand(2, 12)
     states = _run_target(target, ids)
     selected = [states[i] for i in drafter.target_layer_ids]
@@ -380,7 +390,7 @@ def test_bad_inputs():
 # ---- exactness through the verifier ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("design", ["dflash", "layerwise"])
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 @pytest.mark.parametrize("lengths", [[6], [3, 7, 5]])
 def test_greedy_speculative_decoding_equals_target_greedy(family, lengths, design):

@@ -1,0 +1,83 @@
+"""Lookup hints: what prompt lookup would draft, given to a block drafter as its slots' input tokens.
+
+A drafter with ``DrafterConfig.lookup_hints`` fills block slots 1..K with the continuation that
+prompt lookup (:class:`verify.PromptLookupDrafter`, the rule of transformers'
+``prompt_lookup_num_tokens``) proposes from the row's own tokens up to the anchor, instead of MASK
+tokens; where no n-gram of the anchor's suffix occurs earlier, the slots stay MASK. The drafter still
+predicts every slot in one pass from the target's hidden states: the hint is an input it learns when
+to trust (a loop in the target's output is copied; elsewhere the hint is noise it learns to ignore).
+
+The same function serves training (every anchor of a batch at once) and inference (one anchor per row
+after the committed tokens), so both see the same hints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lookup_hints(
+    ids: torch.Tensor,  # (Bt, S) long
+    mask: torch.Tensor,  # (Bt, S) bool: real tokens; each row's real tokens up to its anchors are contiguous
+    anchors: torch.Tensor,  # (Bt, A) long column of each block's anchor (the last token it may read)
+    num_slots: int,  # K
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt-lookup continuations of ``ids[b, :anchors[b, a] + 1]``: ``(hints (Bt, A, K) long, found (Bt, A) bool)``.
+
+    For the largest n in ``max_ngram..min_ngram`` (n <= anchor) whose last-n-token window also ends
+    at an earlier column j (j < anchor, every token of both windows real), the latest such j; the hint
+    is the tokens after j, continuing periodically past the anchor (period anchor - j), exactly what
+    ``verify.drafter.copy_tokens(seq, lookup_start(seq), K)`` drafts. ``found`` is False where no
+    n-gram matches (the hint row is then 0, to be replaced by MASK).
+    """
+    bt, seq = ids.shape
+    if anchors.dim() != 2 or anchors.shape[0] != bt:
+        raise ValueError(f"anchors must be (Bt={bt}, A), got {tuple(anchors.shape)}")
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    t = anchors.clamp(0, seq - 1)  # (Bt, A)
+    cols = torch.arange(seq, device=ids.device)  # (S,)
+    before = cols.view(1, 1, seq) < t.unsqueeze(-1)  # (Bt, A, S): window ends strictly before the anchor
+    best = torch.full_like(t, -1)  # window end j of the longest, latest match
+    match = before.clone()
+    for i in range(max_ngram):  # extend every window one token to the left: n = i + 1
+        shifted_ids = torch.full_like(ids, -1)
+        shifted_ids[:, i:] = ids[:, : seq - i]  # ids[j - i] at column j; -1 (never a token) before column i
+        shifted_ids = shifted_ids.masked_fill(~_shift(mask, i), -2)  # holes never match either
+        anchor_tok = ids.gather(1, (t - i).clamp(min=0))  # (Bt, A)
+        anchor_ok = (t - i >= 0) & mask.gather(1, (t - i).clamp(min=0))
+        match = match & (shifted_ids.unsqueeze(1) == anchor_tok.unsqueeze(-1)) & anchor_ok.unsqueeze(-1)
+        n = i + 1
+        if n >= min_ngram:
+            latest = torch.where(match, cols, -1).amax(-1)  # (Bt, A)
+            usable = (n <= t) & (latest >= 0)
+            best = torch.where(usable, latest, best)  # a longer n found later overrides
+    found = best >= 0
+    start = best + 1  # (Bt, A)
+    period = (t - best).clamp(min=1)  # tokens start .. t repeat
+    k = torch.arange(num_slots, device=ids.device)
+    src = start.unsqueeze(-1) + k % period.unsqueeze(-1)  # (Bt, A, K)
+    hints = ids.gather(1, src.clamp(0, seq - 1).view(bt, -1)).view(bt, -1, num_slots)
+    return hints.masked_fill(~found.unsqueeze(-1), 0), found
+
+
+def _shift(mask: torch.Tensor, i: int) -> torch.Tensor:
+    """``mask[:, j - i]`` at column j (False before column i)."""
+    out = torch.zeros_like(mask)
+    out[:, i:] = mask[:, : mask.shape[1] - i]
+    return out
+
+
+def compact_rows(ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's real tokens (holes dropped) followed by ``last`` (Bt,), right-padded:
+    ``(ids (Bt, L) long, mask (Bt, L) bool, anchors (Bt, 1) long)`` for :func:`lookup_hints`."""
+    rows = [torch.cat([ids[r][mask[r]], last[r].view(1)]) for r in range(ids.shape[0])]
+    width = max(len(r) for r in rows)
+    out = ids.new_zeros(len(rows), width)
+    real = torch.zeros(len(rows), width, dtype=torch.bool, device=ids.device)
+    for r, row in enumerate(rows):
+        out[r, : len(row)], real[r, : len(row)] = row, True
+    anchors = torch.tensor([[len(r) - 1] for r in rows], device=ids.device)
+    return out, real, anchors

@@ -1,0 +1,80 @@
+"""Lookup hints (drafters/hints.py): prompt lookup's proposal as the block slots' input tokens."""
+
+import pytest
+import torch
+from test_drafter_model import _run_target, build_drafter, build_target
+
+from drafters.dflash import DFlashFormatError, export_dflash
+from drafters.hints import compact_rows, lookup_hints
+from verify.drafter import copy_tokens, lookup_start
+
+
+def _any_match(seq: list[int], max_ngram: int, min_ngram: int) -> bool:
+    """Whether some n-gram ending at the last token also ends earlier (brute force)."""
+    t = len(seq) - 1
+    for n in range(min_ngram, min(max_ngram, t) + 1):
+        if any(seq[j - n + 1: j + 1] == seq[t - n + 1: t + 1] for j in range(n - 1, t)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (2, 2), (4, 1)])
+def test_hints_are_what_prompt_lookup_drafts(max_ngram, min_ngram):
+    """Every anchor of right-padded rows: the hint is verify.PromptLookupDrafter's copy of the row's tokens
+    up to the anchor, and ``found`` says whether any n-gram matched."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [30, 17, 1, 24]
+    ids = torch.randint(0, 5, (4, 30), generator=g)
+    mask = torch.arange(30).expand(4, 30) < torch.tensor(lengths).unsqueeze(1)
+    ids = ids.masked_fill(~mask, 3)  # padding holds a real token id: it must never match
+    anchors = torch.arange(30).expand(4, 30)
+    hints, found = lookup_hints(ids, mask, anchors, num_slots=7, max_ngram=max_ngram, min_ngram=min_ngram)
+    assert hints.shape == (4, 30, 7) and found.shape == (4, 30)
+    checked = 0
+    for b, length in enumerate(lengths):
+        for t in range(length):
+            seq = ids[b, : t + 1]
+            assert bool(found[b, t]) == _any_match(seq.tolist(), max_ngram, min_ngram), (b, t)
+            if found[b, t]:
+                want = copy_tokens(seq, lookup_start(seq, max_ngram, min_ngram), 7)
+                assert hints[b, t].tolist() == want.tolist(), (b, t)
+                checked += 1
+            else:
+                assert hints[b, t].tolist() == [0] * 7
+    assert checked > 20  # many anchors of a 5-token alphabet match
+
+
+def test_compact_rows_drops_holes_and_appends_the_anchor():
+    ids = torch.tensor([[9, 1, 2, 9, 3], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[False, True, True, False, True], [True] * 5])
+    out, real, anchors = compact_rows(ids, mask, torch.tensor([1, 2]))
+    assert out[0, :4].tolist() == [1, 2, 3, 1] and out[1].tolist() == [4, 5, 6, 7, 8, 2]
+    assert real.sum(1).tolist() == [4, 6] and anchors.tolist() == [[3], [5]]
+
+
+def test_hinted_drafter_reads_the_loop_and_differs_from_mask():
+    """In a periodic context the slots read the loop's continuation; the logits differ from MASK slots."""
+    target = build_target("llama")
+    torch.manual_seed(1)
+    drafter = build_drafter(target, "hinted", block_size=5)
+    ids = torch.tensor([[10, 11, 12, 13] * 3 + [10]])  # anchor 10 at column 12: the loop goes on 11, 12, 13, 10
+    slots = drafter.slot_ids(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[12]]))
+    assert slots.tolist() == [[[11, 12, 13, 10]]]
+    no_loop = drafter.slot_ids(torch.tensor([[20, 21, 22]]), torch.ones(1, 3, dtype=torch.bool), torch.tensor([[2]]))
+    assert no_loop.tolist() == [[[drafter.config.mask_token_id] * 4]]
+    states = _run_target(target, ids)
+    pos = torch.arange(13).view(1, 13)
+    with torch.no_grad():
+        hinted = drafter.forward_train(states, ids, pos, torch.tensor([[12]]))
+        drafter.config.lookup_hints = False
+        masked = drafter.forward_train(states, ids, pos, torch.tensor([[12]]))
+        drafter.config.lookup_hints = True
+    assert not torch.allclose(hinted, masked, atol=1e-3)
+
+
+def test_export_refuses_hinted_drafters(tmp_path):
+    target = build_target("qwen2")
+    drafter = build_drafter(target, "dflash", block_size=4)
+    drafter.config.lookup_hints = True
+    with pytest.raises(DFlashFormatError, match="lookup_hints"):
+        export_dflash(drafter, tmp_path / "out")
