@@ -137,7 +137,8 @@ def _regime(cfg) -> dict:
     return {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
 
 
-@pytest.mark.parametrize("experiment", ["l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma", "layerwise"])
+@pytest.mark.parametrize("experiment", ["l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma", "layerwise",
+                                        "hinted"])
 def test_sweeps_share_the_ablations_regime(experiment):
     ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
     assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
@@ -150,8 +151,8 @@ def test_the_ablations_regime_is_the_main_jobs():
     ablation = _compose("train", ["experiment=l2r_ablation"])
     for key in ("data", "train.max_steps", "optimizer", "scheduler"):
         assert _regime(trained)[key] == _regime(ablation)[key], key
-    layerwise = _compose("train", ["experiment=layerwise"])
-    assert trained.drafter == layerwise.drafter  # experiment=layerwise is the main job's drafter at the regime
+    hinted = _compose("train", ["experiment=hinted"])
+    assert trained.drafter == hinted.drafter  # experiment=hinted is the main job's drafter at the regime
     evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
     limits = {name: suite.limit for name, suite in evaluated.suite.items()}
     assert limits == {name: suite.limit for name, suite in ablation.suite.items()}

@@ -212,10 +212,11 @@ def test_train_then_evaluate(env):
     assert results["results"]["humaneval"]["t0"]["tau"] >= 1.0
 
 
-def test_layerwise_drafter_trains_and_evaluates(env):
-    """drafter=layerwise through the whole pipeline: its layers start as the target's, it trains, saves,
-    reloads with its design, and drafts through the exact verifier (T=0 output = the target's greedy)."""
-    run_main(train, [*env["base"], "drafter=layerwise", "name=lw", "train.max_steps=2", "train.val_every=2",
+def test_hinted_drafter_trains_and_evaluates(env):
+    """drafter=hinted (the main job's: layerwise + lookup hints) through the whole pipeline: its layers start
+    as the target's, it trains, saves, reloads with its design, and drafts through the exact verifier (T=0
+    output = the target's greedy)."""
+    run_main(train, [*env["base"], "drafter=hinted", "name=lw", "train.max_steps=2", "train.val_every=2",
                      "evaluate.enabled=true", "suite=humaneval", "suite.humaneval.limit=2",
                      "evaluate.temperatures=[0.0]", "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10",
                      "evaluate.measure_target_only=true", "evaluate.progress=false"])
@@ -226,6 +227,7 @@ def test_layerwise_drafter_trains_and_evaluates(env):
     drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=target)
     cfg = drafter.config
     assert (cfg.layerwise_context, cfg.shifted, cfg.num_layers, cfg.target_layer_ids) == (True, True, 2, (0, 1))
+    assert (cfg.lookup_hints, cfg.lookup_max_ngram) == (True, 3)
     assert json.loads((run_dir / "train_summary.json").read_text())["steps"] == 2
     entry = json.loads((run_dir / "results.json").read_text())["results"]["humaneval"]["t0"]
     assert entry["tau"] >= 1.0 and entry["greedy_match"] == 1.0
