@@ -164,3 +164,19 @@ def test_random_prompts_batched_left_padded():
     out = speculative_generate(target, PromptLookupDrafter(V, 6), input_ids, attention_mask=mask, max_new_tokens=40,
                                temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert all(len(t) == 40 for t in out.new_tokens) and out.tau >= 1.0
+
+
+def test_replay_on_greedy_output_counts_the_online_steps():
+    """experiments.bench.lookup replays the rule against stored greedy answers: it must count exactly the
+    speculative steps that online decoding with PromptLookupDrafter takes (T=0), row by row."""
+    from experiments.bench.lookup import replay
+
+    target = next_token_target({5: 6, 6: 7, 7: 8, 8: 9, 9: 5, 11: 12, 12: 13, 13: 11})
+    prompts = [[7, 8, 9, 30, 31, 5, 6, 7, 8, 9], [11, 12, 40, 13, 11], [5]]
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = speculative_generate(target, PromptLookupDrafter(V, 6), ids, attention_mask=torch.ones_like(ids),
+                                   max_new_tokens=23)
+        assert replay(prompt, out.new_tokens[0], 6, 3, 1) == len(out.accepted_counts[0]), prompt
+    assert replay([1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 2, 3, 1], 6, 3, 1) == 1  # 6 accepted + the target's 7th
+    assert replay([1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 2, 3, 1, 2], 6, 3, 1) == 2
