@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from drafters.data import load_regenerated
+from experiments.pipeline.paths import cache_path
 from verify.drafter import copy_tokens, lookup_start
 
 
@@ -52,7 +53,7 @@ def main(argv=None) -> dict:
             tokens_steps = totals.setdefault(key, [0, 0])
             tokens_steps[0] += len(ids) - cut
             tokens_steps[1] += steps
-    result = {"config": vars(args),
+    result = {"config": {**vars(args), "data_dir": cache_path(args.data_dir)},
               "tau": {k: round(t / max(s, 1), 4) for k, (t, s) in sorted(totals.items())},
               "response_tokens": {k: t for k, (t, _) in sorted(totals.items())}}
     out = Path(args.out)
