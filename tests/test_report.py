@@ -179,6 +179,27 @@ def test_names_from_training_run_and_duplicates(tmp_path):
     assert training_run_info(tmp_path / "train/s1")["seed"] == 1
 
 
+def test_runs_sharing_loss_and_seed_keep_their_own_rows(tmp_path):
+    """Three drafter designs trained with loss=decay, seed 0 into one sweep dir (the bug: two were labelled
+    alike and merged, one vanished): each is named by its directory and keeps its own numbers; names given
+    twice are numbered 1, 2, 3."""
+    taus = {"decay-s0": 1.5, "layerwise-decay-s0": 2.0, "hinted-decay-s0": 2.5}
+    for folder, tau in taus.items():
+        d = tmp_path / "sweep" / folder
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      loss: decay\n")
+        (d / ".hydra" / "config.yaml").write_text("seed: 0\nname: x\n")
+        doc, _ = _docs()
+        doc["results"]["code"]["t0"]["tau"] = tau
+        (d / "results.json").write_text(json.dumps(doc))
+    runs = rp.load_runs([tmp_path / "sweep"])
+    named = {r.name: r.results["code"]["t0"]["tau"] for r in runs}
+    assert named == {f"decay ({folder})": tau for folder, tau in taus.items()}
+    assert all(r.seed is None and r.config == r.name for r in runs)  # nothing to aggregate over seeds
+    given = rp.load_runs([tmp_path / "sweep"], names=["a", "a", "a"])
+    assert [r.name for r in given] == ["a #1", "a #2", "a #3"]
+
+
 def test_wandb_offline(multirun, tmp_path):
     root, _, _ = multirun
     report = report_cli.main([str(root), "--out", str(tmp_path / "w"), "--num-bootstrap", "50", "--wandb"])

@@ -83,6 +83,22 @@ def _auto_name(path: Path, doc: dict) -> tuple[str, Any]:
     return path.parent.name or str(path), None
 
 
+def _distinct(configs: list[str], seeds: list[Any], files: list[Path]) -> list[str]:
+    """Labels for auto-named runs: a configuration found once keeps its name; repeats are told apart by
+    their seed (``decay-s1``), and runs that share configuration and seed (e.g. two drafter designs trained
+    with one loss into one sweep dir) by their directory (``decay (hinted-decay-s0)``)."""
+    labels = []
+    for name, seed, f in zip(configs, seeds, files):
+        same = [s for c, s in zip(configs, seeds) if c == name]
+        if len(same) == 1:
+            labels.append(name)
+        elif seed is not None and same.count(seed) == 1:
+            labels.append(f"{name}-s{seed}")
+        else:
+            labels.append(f"{name} ({f.parent.name})")
+    return labels
+
+
 def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -> list[Run]:
     """Read every results.json under ``paths`` and name each configuration (see the module docstring)."""
     files = find_results(paths)
@@ -104,16 +120,15 @@ def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -
     else:
         auto = [_auto_name(f, d) for f, d in zip(files, docs)]
         configs, seeds = [a[0] for a in auto], [a[1] for a in auto]
-        labels = list(configs)
-        for i, (name, seed) in enumerate(auto):  # disambiguate repeats (e.g. seeds of one loss)
-            if configs.count(name) > 1:
-                labels[i] = f"{name}-s{seed}" if seed is not None else f"{name} ({files[i].parent.name})"
-    for i, label in enumerate(labels):
-        if labels.count(label) > 1:
-            labels[i] = f"{label} #{labels[: i + 1].count(label)}"
+        labels = _distinct(configs, seeds, files)
+    given = list(labels)
+    for i, label in enumerate(given):  # the same name twice (given so, or equal directory names)
+        if given.count(label) > 1:
+            labels[i] = f"{label} #{given[: i + 1].count(label)}"
     # Seeds are only aggregated when every repeat of a configuration is told apart by its seed.
-    for i, (config, seed) in enumerate(zip(configs, seeds)):
-        if seed is None or sum(c == config and s == seed for c, s in zip(configs, seeds)) > 1:
+    pairs = list(zip(configs, seeds))
+    for i, pair in enumerate(pairs):
+        if pair[1] is None or pairs.count(pair) > 1:
             configs[i], seeds[i] = labels[i], None
     return [Run(name, f, d, config=c, seed=s) for name, f, d, c, s in zip(labels, files, docs, configs, seeds)]
 
