@@ -313,3 +313,9 @@ def test_committed_paths_carry_no_machine_folder(tmp_path, monkeypatch):
     assert (first["results_path"], second["drafter_path"]) == ("a/results.json", "b/drafter")
     assert portable_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")  # outside every folder: as given
     assert cache_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+    from experiments.pipeline.paths import runs_path
+
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(runs))
+    assert runs_path(runs / "multirun" / "x" / "drafter") == "$BLOCKDRAFT_RUNS/multirun/x/drafter"
+    assert runs_path(target) == "experiments/assets/tiny_target"  # inside the repository: relative to it
+    assert runs_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")

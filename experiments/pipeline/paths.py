@@ -32,3 +32,13 @@ def cache_path(path: str | Path) -> str:
         if inside(full, folder):
             return "/".join(["$BLOCKDRAFT_CACHE", *full.relative_to(folder).parts])
     return str(path)
+
+
+def runs_path(path: str | Path) -> str:
+    """A path inside the repository as relative to it; inside ``$BLOCKDRAFT_RUNS`` as ``$BLOCKDRAFT_RUNS/...``;
+    others as given."""
+    full = Path(os.path.expanduser(str(path))).resolve()
+    runs = os.environ.get("BLOCKDRAFT_RUNS")
+    if not inside(full, REPO) and runs and inside(full, Path(runs).expanduser().resolve()):
+        return "/".join(["$BLOCKDRAFT_RUNS", *full.relative_to(Path(runs).expanduser().resolve()).parts])
+    return portable_path(path)
