@@ -84,7 +84,7 @@ def test_bench_hints_counts_each_anchors_accepts():
     """experiments.bench.hints: per response anchor, the hint's accept is the correct prefix of what prompt
     lookup drafts (brute force with verify's rule) and the drafter's is the correct prefix of its argmax
     for that anchor alone, whatever the chunking and padding; by_hint groups them by hint accept."""
-    from experiments.bench.hints import accepts, by_hint
+    from experiments.bench.hints import accepts, by_hint, follow_hint_after, replay_tau
 
     target = build_target("llama")
     torch.manual_seed(2)
@@ -96,8 +96,8 @@ def test_bench_hints_counts_each_anchors_accepts():
         states = _run_target(target, torch.tensor([seq]))
         feats = torch.cat(drafter.select_hidden_states(states), -1)[0]  # (S, L*H), as the feature cache stores
         rows.append({"input_ids": seq, "prompt_len": prompt_len, "features": feats})
-    hint, draft = accepts(drafter, rows, chunk=3)  # chunks smaller than a row's anchors
-    want_hint, want_draft = [], []
+    hint, draft, agree, found = accepts(drafter, rows, chunk=3)  # chunks smaller than a row's anchors
+    want_hint, want_draft, want_agree, want_found = [], [], [], []
     for row in rows:
         seq, states = row["input_ids"], _run_target(target, torch.tensor([row["input_ids"]]))
         for a in range(row["prompt_len"] - 1, len(seq) - 1):
@@ -109,9 +109,18 @@ def test_bench_hints_counts_each_anchors_accepts():
                 logits = drafter.forward_train(states, torch.tensor([seq]), None, torch.tensor([[a]]))
             argmax = logits[0, 0].argmax(-1).tolist()[: len(truth)]
             want_draft.append(next((i for i, (g, t) in enumerate(zip(argmax, truth)) if g != t), len(truth)))
-    assert hint.tolist() == want_hint and draft.tolist() == want_draft
+            both = list(zip(logits[0, 0].argmax(-1).tolist(), guess))
+            want_found.append(int(start < a))
+            want_agree.append(next((i for i, (g, h) in enumerate(both) if g != h), len(both)))
+    assert hint.tolist() == want_hint and draft.tolist() == want_draft and agree.tolist() == want_agree
+    assert found.tolist() == want_found
     assert max(want_hint) == k and 0 in want_hint  # the loop is copied whole somewhere, and breaks
     table = by_hint(torch.tensor([0, 2, 2, 4]), torch.tensor([1, 2, 0, 4]), 4)
     assert [r["blocks"] for r in table] == [1, 0, 2, 0, 1]
     assert table[2] == {"hint_accept": 2, "blocks": 2, "drafter_mean_accept": 1.0, "drafter_at_least_hint": 0.5}
     assert table[1]["drafter_mean_accept"] is None
+    hint_, draft_, agree_, found_ = torch.tensor([4, 4, 0, 0]), torch.tensor([1, 2, 3, 2]), torch.tensor([2, 1, 0, 0]), torch.tensor([1, 1, 1, 0])
+    assert follow_hint_after(hint_, draft_, agree_, found_, 2).tolist() == [4, 2, 3, 2]
+    assert follow_hint_after(hint_, draft_, agree_, found_, 0).tolist() == [4, 4, 0, 2]  # not found: the drafter's
+    # row 1: accept 3 at its first anchor -> 4 tokens, then accept 1 -> 2 (the row's end); row 2: 1 + 1
+    assert replay_tau(torch.tensor([3, 0, 0, 0, 1, 0, 0, 0]), [6, 2]) == 8 / 4

@@ -3,12 +3,16 @@
     python -m experiments.bench.hints --drafter <saved drafter dir> --data-dir <its regenerated data dir>
         [--val-rows 64] [--out runs/bench_hints.json]
 
-On the data dir's held-out answers (the split training holds out, ``val_fraction`` 0.05), for every
+On the data dir's held-out answers (those training validates on: ``val_fraction`` 0.05, the first
+``--val-rows`` by id hash, so ``tau["drafter"]`` is the run's logged ``val/tau_greedy``), for every
 response anchor: how many slots a greedy verifier would accept from prompt lookup's hint (its correct
 prefix; 0 where no n-gram matches, :func:`drafters.hints.lookup_hints`) and from the drafter (its
 argmax's correct prefix). The JSON gives, per hint accept h = 0..K, the number of blocks, the
 drafter's mean accept and how often it accepts at least h: a drafter that trusts right hints accepts
->= h wherever the hint accepts h. On greedy self-distilled data these are the online T=0 accepts.
+>= h wherever the hint accepts h. ``mean_accept`` adds the oracle better-of-the-two and the rule
+``follow_hint_after_m`` (draft the hint's block where the drafter agrees with it on the first m slots);
+``tau`` replays greedy verification along each answer with each rule's accepts (the teacher-forced τ).
+On greedy self-distilled data these are the online T=0 accepts and τ.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 from drafters import BlockDiffusionDrafter
-from drafters.data import collate, load_regenerated, split_by_id
+from drafters.data import collate, id_hash, load_regenerated, split_by_id
 from drafters.features import FeatureStore, ensure_features
 from drafters.hints import lookup_hints
 from experiments.data.target import TINY_TARGET_DIR, load_target
@@ -33,14 +37,15 @@ def correct_prefix(guess: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
 
 
 @torch.no_grad()
-def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hint accepts and drafter accepts, one entry per response anchor of ``rows`` (row by row, anchors in
-    order): (N,), (N,)."""
-    cfg, hint_acc, draft_acc = drafter.config, [], []
+def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -> tuple[torch.Tensor, ...]:
+    """Hint accepts, drafter accepts, how many leading slots the drafter's argmax agrees with a found hint,
+    and whether a hint was found, one entry per response anchor of ``rows`` (row by row, anchors in order):
+    four (N,)."""
+    cfg, out = drafter.config, []
     for s in range(0, len(rows), 8):
         b = collate(rows[s: s + 8])
         lo, length = b["prompt_len"], b["length"]
-        chunks = []  # (hint, draft, anchor mask), each (Bt, chunk): joined per row so rows keep their anchors' order
+        chunks = []  # (hint, draft, agree, anchor mask), each (Bt, chunk): joined per row, anchors in order
         for c in range(0, int((length - lo).max()), chunk):
             j = torch.arange(c, min(c + chunk, int((length - lo).max())))
             amask = j[None] < (length - lo)[:, None]  # (Bt, A)
@@ -49,11 +54,33 @@ def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -
             labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])  # (Bt, A, K)
             hints, found = lookup_hints(b["input_ids"], b["attention_mask"].bool(), anchors,
                                         cfg.num_draft_tokens, cfg.lookup_max_ngram or 3)
-            chunks.append((correct_prefix(hints, labels, mask) * found, correct_prefix(logits.argmax(-1), labels, mask), amask))
-        hint, draft, amask = (torch.cat(parts, dim=1) for parts in zip(*chunks))  # (Bt, anchors)
-        hint_acc.append(hint[amask])
-        draft_acc.append(draft[amask])
-    return torch.cat(hint_acc), torch.cat(draft_acc)
+            guess = logits.argmax(-1)  # (Bt, A, K)
+            chunks.append((correct_prefix(hints, labels, mask) * found, correct_prefix(guess, labels, mask),
+                           correct_prefix(guess, hints, torch.ones_like(mask)) * found, found.long(), amask))
+        *columns, amask = (torch.cat(parts, dim=1) for parts in zip(*chunks))  # (Bt, anchors) each
+        out.append([c[amask] for c in columns])
+    return tuple(torch.cat(parts) for parts in zip(*out))
+
+
+def follow_hint_after(hint: torch.Tensor, draft: torch.Tensor, agree: torch.Tensor, found: torch.Tensor,
+                      m: int) -> torch.Tensor:
+    """Accepts of the rule "draft the hint's whole block where one was found and the drafter agrees with it
+    on the first m slots (m = 0: wherever found), else the drafter's own block" (no oracle: both are known
+    before verification)."""
+    return torch.where((agree >= m) & found.bool(), hint, draft)
+
+
+def replay_tau(accept: torch.Tensor, anchors_per_row: list[int]) -> float:
+    """Greedy verification replayed along each row: from the first response anchor, keep accept + 1 tokens
+    (capped at the row's end) and move there. Tokens kept per step over all rows: the teacher-forced τ."""
+    kept = steps = start = 0
+    for n in anchors_per_row:  # row r's anchors are accept[start:start + n], in order
+        a = 0
+        while a < n:
+            step = min(int(accept[start + a]) + 1, n - a)
+            kept, steps, a = kept + step, steps + 1, a + step
+        start += n
+    return kept / max(steps, 1)
 
 
 def by_hint(hint: torch.Tensor, draft: torch.Tensor, num_slots: int) -> list[dict]:
@@ -81,24 +108,29 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = BlockDiffusionDrafter.from_pretrained(args.drafter, target).eval()
     store = FeatureStore(ensure_features(target, args.data_dir, drafter.target_layer_ids, max_length=args.max_length))
     data = load_regenerated(args.data_dir)
-    held_out = split_by_id(data["id"], 0.05)[1][: args.val_rows]
+    # the rows training validates on (drafters.data: held out by id hash, the first max_val_samples by hash)
+    held_out = sorted(sorted(split_by_id(data["id"], 0.05)[1], key=lambda i: id_hash(data["id"][i]))[: args.val_rows])
     rows = [{"input_ids": data[i]["input_ids"][: args.max_length], "prompt_len": data[i]["prompt_len"],
              "features": store[i]} for i in held_out
             if min(len(data[i]["input_ids"]), args.max_length) > data[i]["prompt_len"] + 1]
     if not rows:
         raise ValueError(f"{args.data_dir}: no held-out answer with a response inside --max-length {args.max_length}")
-    hint, draft = accepts(drafter, rows)
+    hint, draft, agree, found = accepts(drafter, rows)
+    per_row = [len(r["input_ids"]) - r["prompt_len"] for r in rows]
+    rules = {"hint": hint, "drafter": draft, **{f"follow_hint_after_{m}": follow_hint_after(hint, draft, agree, found, m)
+                                                for m in (0, 1, 2, 3, 4)}}
     k = drafter.config.num_draft_tokens
     result = {"config": {**vars(args), "drafter": runs_path(args.drafter), "data_dir": cache_path(args.data_dir),
                          "target": portable_path(args.target)},
               "lookup_hints": bool(drafter.config.lookup_hints), "blocks": int(hint.numel()),
-              "mean_accept": {"hint": round(float(hint.float().mean()), 3), "drafter": round(float(draft.float().mean()), 3),
+              "tau": {k: round(replay_tau(v, per_row), 3) for k, v in rules.items()},
+              "mean_accept": {**{k: round(float(v.float().mean()), 3) for k, v in rules.items()},
                               "best_of_both": round(float(torch.maximum(hint, draft).float().mean()), 3)},
               "by_hint_accept": by_hint(hint, draft, k)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["mean_accept"]), f"full-block hints: {result['by_hint_accept'][k]}", flush=True)
+    print(json.dumps(result["tau"]), f"full-block hints: {result['by_hint_accept'][k]}", flush=True)
     return result
 
 
