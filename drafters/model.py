@@ -318,8 +318,13 @@ class BlockDiffusionDrafter(nn.Module):
         cfg = self.config
         if not cfg.lookup_hints:
             return anchors.new_full((*anchors.shape, cfg.num_draft_tokens), cfg.mask_token_id)
+        return self._hinted_slots(ids, mask, anchors)[0]
+
+    def _hinted_slots(self, ids, mask, anchors) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot ids (Bt, A, K), found (Bt, A))``: the hints, MASK where no n-gram matched."""
+        cfg = self.config
         hints, found = lookup_hints(ids, mask, anchors, cfg.num_draft_tokens, cfg.lookup_max_ngram)
-        return hints.masked_fill(~found.unsqueeze(-1), cfg.mask_token_id)
+        return hints.masked_fill(~found.unsqueeze(-1), cfg.mask_token_id), found
 
     def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None) -> torch.Tensor:
         """Logits (Bt, A, K, V) of blocks ``[anchor, slot_ids]`` (default ``[anchor, MASK x K]``).
@@ -430,6 +435,13 @@ class BlockDiffusionDrafter(nn.Module):
     #: target runs is. Set it on a loaded drafter: ``drafter.confidence_threshold = 0.3``.
     confidence_threshold: float | None = None
 
+    #: Hinted drafters only: draft the lookup hint's whole block instead of the drafter's tokens in rows
+    #: where an n-gram matched and the drafter's argmax agrees with the hint on the first m slots
+    #: (m = 0: wherever one matched); None: never. Exact at any temperature: the decision is made from
+    #: the drafter's logits before anything is sampled, and a copied block is drafted with one-hot q.
+    #: ``experiments.bench.hints`` measures the rule teacher-forced (``follow_hint_after_m``).
+    follow_hint_after: int | None = None
+
     def reset(self, batch_size: int) -> None:
         self._columns = 0
         self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
@@ -524,7 +536,9 @@ class BlockDiffusionDrafter(nn.Module):
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
         ids[:, 0] = anchor_ids.reshape(rows)
         if cfg.lookup_hints:  # the committed tokens (holes dropped) and the anchor, as training reads them
-            ids[:, 1:] = self.slot_ids(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))[:, 0]
+            slots, found = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
+            ids[:, 1:] = slots[:, 0]
+            self._block_hints = slots[:, 0], found[:, 0]  # (B, K), (B,): for follow_hint_after
         x = target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
@@ -589,14 +603,26 @@ class BlockDiffusionDrafter(nn.Module):
         ``tokens[:, k]`` a draw from ``q[:, k]`` given the drafts before it, as the verifier needs.
         The width W depends on the drafter's distributions only, not on the tokens drawn.
         """
+        if self.follow_hint_after is not None and (not self.config.lookup_hints or self.confidence_threshold is not None):
+            raise ValueError("follow_hint_after needs a drafter with lookup_hints and no confidence_threshold")
         if self.confidence_threshold is None:
             logits = self.draft_logits(anchor_ids, anchor_position_ids)  # (B, K, V)
         else:
             logits = self._confident_logits(self._draft_states(anchor_ids, anchor_position_ids))  # (B, W, V)
+        follow = self._follows_hint(logits) if self.follow_hint_after is not None else None  # (B,) bool
         if temperature == 0:
-            return logits.argmax(-1), None
+            tokens = logits.argmax(-1)
+            return (tokens if follow is None else torch.where(follow[:, None], self._block_hints[0], tokens)), None
         q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, K, V) float32
+        if follow is not None:  # copied rows: q is the point mass on the hint, from which the hint is the draw
+            q = torch.where(follow[:, None, None], nn.functional.one_hot(self._block_hints[0], q.shape[-1]).to(q.dtype), q)
         return sample_tokens(q, generator), q  # (B, K): slot k drawn from q[:, k]
+
+    def _follows_hint(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: rows whose block is the lookup hint under :attr:`follow_hint_after` (logits (B, K, V))."""
+        hints, found = self._block_hints
+        m = self.follow_hint_after
+        return found & (logits[:, :m].argmax(-1) == hints[:, :m]).all(-1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._require_cache()

@@ -33,6 +33,8 @@ def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch)
         assert args[-len(evaluate_overrides) - 1:-1] == evaluate_overrides
         assert args[-1] == f"hydra.run.dir={tmp_path}/eval/{baseline}"
     assert by_name["evaluate uniform"][1] == f"drafter.path={tmp_path}/train/uniform/drafter"
+    trained = [*evaluate_overrides, *cfg.trained_evaluate_overrides]
+    assert by_name["evaluate uniform"][-len(trained) - 1:-1] == trained  # the trained drafters' own settings
     report_args = by_name["report"]
     assert report_args[:4] == [str(tmp_path / "eval" / n) for n in ("uniform", "l2r_all", "prompt_lookup",
                                                                    "ar_assistant")]

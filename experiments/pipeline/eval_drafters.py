@@ -58,13 +58,15 @@ def _existing_dir(path: str | Path, what: str) -> Path:
     return directory.resolve()
 
 
-def block_drafter(target, path: str, name: str | None = None,
-                  confidence_threshold: float | None = None) -> EvalDrafter:
+def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
+                  follow_hint_after: int | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
     ``confidence_threshold``: draft only the prefix whose top-1 drafter probability stays above it
     (:attr:`BlockDiffusionDrafter.confidence_threshold`; exact; None = always the whole block).
+    ``follow_hint_after``: hinted drafters draft the lookup hint's block where the drafter agrees with it
+    on that many leading slots (:attr:`BlockDiffusionDrafter.follow_hint_after`; exact; None = never).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
@@ -77,8 +79,14 @@ def block_drafter(target, path: str, name: str | None = None,
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())
     drafter.to(device=weight.device, dtype=weight.dtype).eval()
-    drafter.confidence_threshold = confidence_threshold
-    config = drafter.config.to_dict() | ({"confidence_threshold": confidence_threshold} if confidence_threshold else {})
+    if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints
+                                          or confidence_threshold is not None):
+        raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0, a drafter trained with "
+                         f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints}) "
+                         "and no confidence_threshold")
+    drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
+    settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after}
+    config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
     return EvalDrafter(drafter, {
         "name": name,
         "kind": "block",

@@ -72,7 +72,8 @@ def run_main_job(cfg: DictConfig) -> dict:
                                                      *cfg.train_overrides, f"hydra.run.dir={train_dir}"], log)
         eval_dir = run_dir / "eval" / loss
         stage(f"evaluate {loss}", "experiments.evaluate", [*common, f"drafter.path={train_dir}/drafter",
-                                                           *cfg.evaluate_overrides, f"hydra.run.dir={eval_dir}"], log)
+                                                           *cfg.evaluate_overrides, *cfg.trained_evaluate_overrides,
+                                                           f"hydra.run.dir={eval_dir}"], log)
         eval_dirs.append(eval_dir)
     for baseline in cfg.baselines:
         eval_dir = run_dir / "eval" / baseline
