@@ -85,6 +85,39 @@ def left_padded_prompts(
     return input_ids, attention_mask
 
 
+def sampled_continuations_pvalue(target, drafter, prompt: list[int], length: int, batches: int, rows: int,
+                                 seed: int = 0) -> tuple[float, int]:
+    """Speculative sampling at T = 1 of ``batches`` x ``rows`` continuations of ``length`` tokens after
+    ``prompt``: ``(chi-square p-value against the target's exact distribution over every continuation,
+    drafts accepted)``. Continuations expected fewer than 5 times are pooled into one cell."""
+    import itertools
+
+    from scipy.stats import chisquare
+
+    from verify import speculative_generate
+    from verify.rejection import warp_probs
+
+    generator = torch.Generator().manual_seed(seed)
+    samples, accepted = [], 0
+    for _ in range(batches):
+        out = speculative_generate(target, drafter, torch.tensor(prompt).expand(rows, -1).contiguous(),
+                                   max_new_tokens=length, temperature=1.0, generator=generator)
+        samples += [tuple(t) for t in out.new_tokens]
+        accepted += sum(out.accept_histogram[1:])
+    vocab = target.config.vocab_size
+    conts = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V^length, length)
+    with torch.no_grad():
+        logits = target(torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)).logits
+    logits = logits[:, len(prompt) - 1:-1]  # (N, length, V): the distribution of each continuation token
+    probs = warp_probs(logits, 1.0).gather(-1, conts.unsqueeze(-1)).squeeze(-1).prod(-1).double()
+    index = {tuple(c): i for i, c in enumerate(conts.tolist())}
+    counts = torch.bincount(torch.tensor([index[t] for t in samples]), minlength=len(conts)).double()
+    big = probs * len(samples) >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected = torch.cat([probs[big], probs[~big].sum().view(1)]) * len(samples)
+    return float(chisquare(observed, expected * observed.sum() / expected.sum()).pvalue), accepted
+
+
 @pytest.fixture
 def make_target():
     """The :func:`tiny_target` builder."""

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from conftest import left_padded_prompts, tiny_target
-from scipy.stats import chisquare
+from conftest import left_padded_prompts, sampled_continuations_pvalue, tiny_target
 from transformers.cache_utils import DynamicLayer
 
 from drafters import BlockDiffusionDrafter
 from experiments.bench.step_profile import Variant, profile_decode, summarize_steps
-from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy, warp_probs
+from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy
 from verify.generate import _is_plain_head, _verify_greedy_lazy
 from verify.hf import new_growing_kv_cache
 from verify.kv_cache import GrowingLayer
@@ -265,25 +262,9 @@ def test_truncated_sampled_drafts_keep_the_target_distribution():
         for weight in assistant.parameters():
             weight.add_(0.1 * weight.std() * torch.randn(weight.shape, generator=noise))
     drafter = ConfidentPrefix(AssistantDrafter(assistant, 3), threshold=0.7)
-    prompt = [5, 3, 6, 4]
-    generator = torch.Generator().manual_seed(0)
-    samples, accepted = [], 0
-    for _ in range(batches):
-        out = speculative_generate(target, drafter, torch.tensor(prompt).expand(rows, -1).contiguous(),
-                                   max_new_tokens=length, temperature=1.0, generator=generator)
-        samples += [tuple(t) for t in out.new_tokens]
-        accepted += sum(out.accept_histogram[1:])
+    pvalue, accepted = sampled_continuations_pvalue(target, drafter, [5, 3, 6, 4], length, batches, rows)
     assert {0, 3} <= set(drafter.widths) and accepted > 0  # truncation and acceptance both happen
-    conts = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
-    with torch.no_grad():
-        logits = target(torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)).logits[:, 3:-1]
-    probs = warp_probs(logits, 1.0).gather(-1, conts.unsqueeze(-1)).squeeze(-1).prod(-1).double()
-    index = {tuple(c): i for i, c in enumerate(conts.tolist())}
-    counts = torch.bincount(torch.tensor([index[t] for t in samples]), minlength=len(conts)).double()
-    big = probs * len(samples) >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
-    expected = torch.cat([probs[big], probs[~big].sum().view(1)]) * len(samples)
-    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    assert pvalue > 1e-3
 
 
 # ----------------------------------------------------------------------------- step profile
