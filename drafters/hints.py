@@ -24,13 +24,14 @@ def lookup_hints(
     max_ngram: int = 3,
     min_ngram: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt-lookup continuations of ``ids[b, :anchors[b, a] + 1]``: ``(hints (Bt, A, K) long, found (Bt, A) bool)``.
+    """Prompt-lookup continuations of ``ids[b, :anchors[b, a] + 1]``: ``(hints (Bt, A, K) long, ngram (Bt, A) long)``.
 
     For the largest n in ``max_ngram..min_ngram`` (n <= anchor) whose last-n-token window also ends
     at an earlier column j (j < anchor, every token of both windows real), the latest such j; the hint
     is the tokens after j, continuing periodically past the anchor (period anchor - j), exactly what
-    ``verify.drafter.copy_tokens(seq, lookup_start(seq), K)`` drafts. ``found`` is False where no
-    n-gram matches (the hint row is then 0, to be replaced by MASK).
+    ``verify.drafter.copy_tokens(seq, lookup_start(seq), K)`` drafts. ``ngram`` is that n, the length of
+    the match (how much context the hint rests on), and 0 where no n-gram matches (the hint row is then
+    0, to be replaced by MASK).
     """
     bt, seq = ids.shape
     if anchors.dim() != 2 or anchors.shape[0] != bt:
@@ -41,6 +42,7 @@ def lookup_hints(
     cols = torch.arange(seq, device=ids.device)  # (S,)
     before = cols.view(1, 1, seq) < t.unsqueeze(-1)  # (Bt, A, S): window ends strictly before the anchor
     best = torch.full_like(t, -1)  # window end j of the longest, latest match
+    ngram = torch.zeros_like(t)  # its n
     match = before.clone()
     for i in range(max_ngram):  # extend every window one token to the left: n = i + 1
         shifted_ids = torch.full_like(ids, -1)
@@ -54,13 +56,14 @@ def lookup_hints(
             latest = torch.where(match, cols, -1).amax(-1)  # (Bt, A)
             usable = (n <= t) & (latest >= 0)
             best = torch.where(usable, latest, best)  # a longer n found later overrides
+            ngram = torch.where(usable, n, ngram)
     found = best >= 0
     start = best + 1  # (Bt, A)
     period = (t - best).clamp(min=1)  # tokens start .. t repeat
     k = torch.arange(num_slots, device=ids.device)
     src = start.unsqueeze(-1) + k % period.unsqueeze(-1)  # (Bt, A, K)
     hints = ids.gather(1, src.clamp(0, seq - 1).view(bt, -1)).view(bt, -1, num_slots)
-    return hints.masked_fill(~found.unsqueeze(-1), 0), found
+    return hints.masked_fill(~found.unsqueeze(-1), 0), ngram
 
 
 def _shift(mask: torch.Tensor, i: int) -> torch.Tensor:

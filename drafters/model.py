@@ -321,10 +321,11 @@ class BlockDiffusionDrafter(nn.Module):
         return self._hinted_slots(ids, mask, anchors)[0]
 
     def _hinted_slots(self, ids, mask, anchors) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot ids (Bt, A, K), found (Bt, A))``: the hints, MASK where no n-gram matched."""
+        """``(slot ids (Bt, A, K), ngram (Bt, A))``: the hints, MASK where no n-gram matched (ngram 0), and
+        the length of the n-gram each rests on."""
         cfg = self.config
-        hints, found = lookup_hints(ids, mask, anchors, cfg.num_draft_tokens, cfg.lookup_max_ngram)
-        return hints.masked_fill(~found.unsqueeze(-1), cfg.mask_token_id), found
+        hints, ngram = lookup_hints(ids, mask, anchors, cfg.num_draft_tokens, cfg.lookup_max_ngram)
+        return hints.masked_fill(ngram.unsqueeze(-1) == 0, cfg.mask_token_id), ngram
 
     def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None) -> torch.Tensor:
         """Logits (Bt, A, K, V) of blocks ``[anchor, slot_ids]`` (default ``[anchor, MASK x K]``).
@@ -439,8 +440,14 @@ class BlockDiffusionDrafter(nn.Module):
     #: where an n-gram matched and the drafter's argmax agrees with the hint on the first m slots
     #: (m = 0: wherever one matched); None: never. Exact at any temperature: the decision is made from
     #: the drafter's logits before anything is sampled, and a copied block is drafted with one-hot q.
+    #: With :attr:`confidence_threshold` too, a step where no row copies drafts only the confident prefix.
     #: ``experiments.bench.hints`` measures the rule teacher-forced (``follow_hint_after_m``).
     follow_hint_after: int | None = None
+
+    #: With :attr:`follow_hint_after`: copy the hint only where the n-gram it rests on is at least this
+    #: long (1: any match). A hint found from the anchor token alone is mostly wrong; one from two or
+    #: three tokens mostly right (``experiments.bench.hints``, ``follow_hint_min_ngram_n``).
+    follow_hint_min_ngram: int = 1
 
     def reset(self, batch_size: int) -> None:
         self._columns = 0
@@ -536,9 +543,9 @@ class BlockDiffusionDrafter(nn.Module):
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
         ids[:, 0] = anchor_ids.reshape(rows)
         if cfg.lookup_hints:  # the committed tokens (holes dropped) and the anchor, as training reads them
-            slots, found = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
+            slots, ngram = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
             ids[:, 1:] = slots[:, 0]
-            self._block_hints = slots[:, 0], found[:, 0]  # (B, K), (B,): for follow_hint_after
+            self._block_hints = slots[:, 0], ngram[:, 0]  # (B, K), (B,): for follow_hint_after
         x = target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
@@ -551,7 +558,7 @@ class BlockDiffusionDrafter(nn.Module):
     def _head(self, states: torch.Tensor) -> torch.Tensor:  # (B, n, H) -> (B, n, V) float32
         head = self.target.get_output_embeddings()
         rows, n, width = states.shape
-        return head(states.reshape(rows * n, width).to(head.weight.dtype)).view(rows, n, -1).float()
+        return head(states.reshape(rows * n, width).to(head.weight.dtype)).view(rows, n, head.out_features).float()
 
     def confident_width(self, logits: torch.Tensor) -> int:
         """Slots (from slot 1) that every row's drafts need: the longest leading run over rows of slots
@@ -596,33 +603,38 @@ class BlockDiffusionDrafter(nn.Module):
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens (B, K) and, when sampling, q (B, K, V) float32; with :attr:`confidence_threshold`,
-        (B, W) and (B, W, V) for the :meth:`confident_width` W <= K.
+        (B, W) and (B, W, V) for the :meth:`confident_width` W <= K (W = K when some row copies its
+        hint under :attr:`follow_hint_after`).
 
         Slots of a block are conditionally independent given the context (one forward pass, no
         feedback between slots), so sampling each slot from its own warped distribution makes
         ``tokens[:, k]`` a draw from ``q[:, k]`` given the drafts before it, as the verifier needs.
         The width W depends on the drafter's distributions only, not on the tokens drawn.
         """
-        if self.follow_hint_after is not None and (not self.config.lookup_hints or self.confidence_threshold is not None):
-            raise ValueError("follow_hint_after needs a drafter with lookup_hints and no confidence_threshold")
-        if self.confidence_threshold is None:
-            logits = self.draft_logits(anchor_ids, anchor_position_ids)  # (B, K, V)
+        if self.follow_hint_after is not None and not self.config.lookup_hints:
+            raise ValueError("follow_hint_after needs a drafter trained with lookup_hints")
+        states = self._draft_states(anchor_ids, anchor_position_ids)  # (B, K, H)
+        follow = None  # (B,) bool: rows that draft the lookup hint's block
+        if self.follow_hint_after is not None:
+            follow = self._follows_hint(self._head(states[:, : self.follow_hint_after]))
+        if self.confidence_threshold is None or (follow is not None and bool(follow.any())):
+            logits = self._head(states)  # (B, K, V): a copied hint is drafted whole
         else:
-            logits = self._confident_logits(self._draft_states(anchor_ids, anchor_position_ids))  # (B, W, V)
-        follow = self._follows_hint(logits) if self.follow_hint_after is not None else None  # (B,) bool
+            logits = self._confident_logits(states)  # (B, W, V)
+        hints = self._block_hints[0][:, : logits.shape[1]] if follow is not None else None  # (B, W)
         if temperature == 0:
             tokens = logits.argmax(-1)
-            return (tokens if follow is None else torch.where(follow[:, None], self._block_hints[0], tokens)), None
-        q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, K, V) float32
+            return (tokens if follow is None else torch.where(follow[:, None], hints, tokens)), None
+        q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, W, V) float32
         if follow is not None:  # copied rows: q is the point mass on the hint, from which the hint is the draw
-            q = torch.where(follow[:, None, None], nn.functional.one_hot(self._block_hints[0], q.shape[-1]).to(q.dtype), q)
-        return sample_tokens(q, generator), q  # (B, K): slot k drawn from q[:, k]
+            q = torch.where(follow[:, None, None], nn.functional.one_hot(hints, q.shape[-1]).to(q.dtype), q)
+        return sample_tokens(q, generator), q  # (B, W): slot k drawn from q[:, k]
 
     def _follows_hint(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: rows whose block is the lookup hint under :attr:`follow_hint_after` (logits (B, K, V))."""
-        hints, found = self._block_hints
+        """(B,) bool: rows whose block is the lookup hint under :attr:`follow_hint_after` (logits (B, >= m, V))."""
+        hints, ngram = self._block_hints
         m = self.follow_hint_after
-        return found & (logits[:, :m].argmax(-1) == hints[:, :m]).all(-1)
+        return (ngram >= max(1, self.follow_hint_min_ngram)) & (logits[:, :m].argmax(-1) == hints[:, :m]).all(-1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._require_cache()

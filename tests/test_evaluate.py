@@ -352,3 +352,5 @@ def test_block_drafter_confidence_threshold(assets):
     assert cut.drafter.confidence_threshold == 0.4 and cut.info["config"]["confidence_threshold"] == 0.4
     with pytest.raises(ValueError, match=r"drafter.confidence_threshold=1.5"):
         block_drafter(target, str(assets / "drafter"), confidence_threshold=1.5)
+    with pytest.raises(ValueError, match=r"drafter.follow_hint_min_ngram=2 needs drafter.follow_hint_after"):
+        block_drafter(target, str(assets / "drafter"), follow_hint_min_ngram=2)

@@ -278,7 +278,7 @@ def test_profile_decode_partitions_each_step():
     assert len(wall) == len(cpu) > 0
     for step in wall:
         assert {"draft", "target_forward", "verify", "bookkeeping", "crop", "drafter_extend"} <= set(step)
-        assert "draft_logits@draft" in step and step["draft_logits@draft"] <= step["draft"] + 1e-6
+        assert "draft_states@draft" in step and step["draft_states@draft"] <= step["draft"] + 1e-6
     summary = summarize_steps(wall)
     assert {"total_ms", "draft_ms", "verify_ms", "lm_head@verify_ms"} <= set(summary)
     base_wall, _ = profile_decode(target, Variant(), ids, mask, max_new_tokens=6, skip=0)

@@ -11,39 +11,42 @@ from verify import speculative_generate
 from verify.drafter import copy_tokens, lookup_start
 
 
-def _any_match(seq: list[int], max_ngram: int, min_ngram: int) -> bool:
-    """Whether some n-gram ending at the last token also ends earlier (brute force)."""
+def _longest_match(seq: list[int], max_ngram: int, min_ngram: int) -> int:
+    """The longest n in min_ngram..max_ngram whose n-gram ending at the last token also ends earlier; 0 if none
+    (brute force)."""
     t = len(seq) - 1
-    for n in range(min_ngram, min(max_ngram, t) + 1):
+    for n in range(min(max_ngram, t), min_ngram - 1, -1):
         if any(seq[j - n + 1: j + 1] == seq[t - n + 1: t + 1] for j in range(n - 1, t)):
-            return True
-    return False
+            return n
+    return 0
 
 
 @pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (2, 2), (4, 1)])
 def test_hints_are_what_prompt_lookup_drafts(max_ngram, min_ngram):
     """Every anchor of right-padded rows: the hint is verify.PromptLookupDrafter's copy of the row's tokens
-    up to the anchor, and ``found`` says whether any n-gram matched."""
+    up to the anchor, and ``ngram`` is the length of the n-gram it matched (0: none)."""
     g = torch.Generator().manual_seed(0)
     lengths = [30, 17, 1, 24]
     ids = torch.randint(0, 5, (4, 30), generator=g)
     mask = torch.arange(30).expand(4, 30) < torch.tensor(lengths).unsqueeze(1)
     ids = ids.masked_fill(~mask, 3)  # padding holds a real token id: it must never match
     anchors = torch.arange(30).expand(4, 30)
-    hints, found = lookup_hints(ids, mask, anchors, num_slots=7, max_ngram=max_ngram, min_ngram=min_ngram)
-    assert hints.shape == (4, 30, 7) and found.shape == (4, 30)
-    checked = 0
+    hints, ngram = lookup_hints(ids, mask, anchors, num_slots=7, max_ngram=max_ngram, min_ngram=min_ngram)
+    assert hints.shape == (4, 30, 7) and ngram.shape == (4, 30)
+    checked, lengths_seen = 0, set()
     for b, length in enumerate(lengths):
         for t in range(length):
             seq = ids[b, : t + 1]
-            assert bool(found[b, t]) == _any_match(seq.tolist(), max_ngram, min_ngram), (b, t)
-            if found[b, t]:
+            assert int(ngram[b, t]) == _longest_match(seq.tolist(), max_ngram, min_ngram), (b, t)
+            lengths_seen.add(int(ngram[b, t]))
+            if ngram[b, t] > 0:
                 want = copy_tokens(seq, lookup_start(seq, max_ngram, min_ngram), 7)
                 assert hints[b, t].tolist() == want.tolist(), (b, t)
                 checked += 1
             else:
                 assert hints[b, t].tolist() == [0] * 7
     assert checked > 20  # many anchors of a 5-token alphabet match
+    assert lengths_seen == {0, *range(min_ngram, max_ngram + 1)}  # every match length occurs
 
 
 def test_compact_rows_drops_holes_and_appends_the_anchor():
@@ -98,8 +101,8 @@ def test_bench_hints_counts_each_anchors_accepts():
         states = _run_target(target, torch.tensor([seq]))
         feats = torch.cat(drafter.select_hidden_states(states), -1)[0]  # (S, L*H), as the feature cache stores
         rows.append({"input_ids": seq, "prompt_len": prompt_len, "features": feats})
-    hint, draft, agree, found = accepts(drafter, rows, chunk=3)  # chunks smaller than a row's anchors
-    want_hint, want_draft, want_agree, want_found = [], [], [], []
+    hint, draft, agree, ngram = accepts(drafter, rows, chunk=3)  # chunks smaller than a row's anchors
+    want_hint, want_draft, want_agree, want_ngram = [], [], [], []
     for row in rows:
         seq, states = row["input_ids"], _run_target(target, torch.tensor([row["input_ids"]]))
         for a in range(row["prompt_len"] - 1, len(seq) - 1):
@@ -112,10 +115,10 @@ def test_bench_hints_counts_each_anchors_accepts():
             argmax = logits[0, 0].argmax(-1).tolist()[: len(truth)]
             want_draft.append(next((i for i, (g, t) in enumerate(zip(argmax, truth)) if g != t), len(truth)))
             both = list(zip(logits[0, 0].argmax(-1).tolist(), guess))
-            want_found.append(int(start < a))
+            want_ngram.append(_longest_match(seq[: a + 1], 3, 1))
             want_agree.append(next((i for i, (g, h) in enumerate(both) if g != h), len(both)))
     assert hint.tolist() == want_hint and draft.tolist() == want_draft and agree.tolist() == want_agree
-    assert found.tolist() == want_found
+    assert ngram.tolist() == want_ngram and {1, 3} <= set(want_ngram)
     assert max(want_hint) == k and 0 in want_hint  # the loop is copied whole somewhere, and breaks
     table = by_hint(torch.tensor([0, 2, 2, 4]), torch.tensor([1, 2, 0, 4]), 4)
     assert [r["blocks"] for r in table] == [1, 0, 2, 0, 1]
@@ -124,6 +127,8 @@ def test_bench_hints_counts_each_anchors_accepts():
     hint_, draft_, agree_, found_ = torch.tensor([4, 4, 0, 0]), torch.tensor([1, 2, 3, 2]), torch.tensor([2, 1, 0, 0]), torch.tensor([1, 1, 1, 0])
     assert follow_hint_after(hint_, draft_, agree_, found_, 2).tolist() == [4, 2, 3, 2]
     assert follow_hint_after(hint_, draft_, agree_, found_, 0).tolist() == [4, 4, 0, 2]  # not found: the drafter's
+    ngram_ = torch.tensor([3, 1, 2, 0])  # match lengths: only hints from >= 2 tokens are copied
+    assert follow_hint_after(hint_, draft_, agree_, ngram_, 0, min_ngram=2).tolist() == [4, 2, 0, 2]
     # row 1: accept 3 at its first anchor -> 4 tokens, then accept 1 -> 2 (the row's end); row 2: 1 + 1
     assert replay_tau(torch.tensor([3, 0, 0, 0, 1, 0, 0, 0]), [6, 2]) == 8 / 4
 
@@ -145,15 +150,76 @@ def test_follow_hint_after_keeps_greedy_identity_and_copies_loops(m):
     assert followed.accepted_counts != plain.accepted_counts
 
 
-def test_follow_hint_after_keeps_the_target_distribution():
+@pytest.mark.parametrize("threshold", [None, 0.2])
+def test_follow_hint_after_keeps_the_target_distribution(threshold):
     """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, a hinted
-    drafter copying the hint wherever an n-gram matches (one-hot q) and sampling elsewhere."""
+    drafter copying the hint wherever an n-gram matches (one-hot q) and sampling elsewhere (with a
+    confidence threshold: only the confident prefix in steps where no row copies)."""
     length, batches, rows = 3, 60, 40
     target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
     torch.manual_seed(3)
     drafter = build_drafter(target, "hinted", block_size=4)
-    drafter.follow_hint_after = 0
+    drafter.follow_hint_after, drafter.confidence_threshold = 0, threshold
     prompt = [5, 3, 6, 5, 3]  # "5 3" recurs: the first block is the hint 6 5 3
     pvalue, accepted = sampled_continuations_pvalue(target, drafter, prompt, length, batches, rows)
     assert accepted > 0
     assert pvalue > 1e-3
+
+
+def _first_draft(drafter, target, ids):  # (1, T) -> (1, K): the greedy draft with ids[:, -1] as the anchor
+    states = _run_target(target, ids[:, :-1])
+    t = ids.shape[1] - 1
+    drafter.reset(1)
+    drafter.extend(ids[:, :-1], torch.ones(1, t, dtype=torch.long), torch.arange(t).view(1, t),
+                   [states[i] for i in drafter.target_layer_ids])
+    return drafter.draft(ids[:, -1], torch.tensor([t]))[0]
+
+
+def test_follow_hint_min_ngram_copies_only_hints_from_long_enough_matches():
+    """follow_hint_min_ngram = 2: a hint found from the anchor token alone is not copied (the drafter's own
+    block is drafted), one found from two tokens is; min_ngram = 1 copies both."""
+    target = build_target("llama")
+    torch.manual_seed(4)
+    drafter = build_drafter(target, "hinted", block_size=5).eval()
+    drafter.follow_hint_after = 0
+    one_token = torch.tensor([[10, 11, 12, 13, 20, 21, 11]])  # "11" recurs, "21 11" does not: hint 12 13 20 21
+    two_tokens = torch.tensor([[10, 11, 12, 13, 20, 10, 11]])  # "10 11" recurs: hint 12 13 20 10
+    with torch.no_grad():
+        own = _first_draft(drafter, target, one_token)  # follow_hint_min_ngram defaults to 1: copied
+        assert own.tolist() == [[12, 13, 20, 21]]
+        drafter.follow_hint_min_ngram = 2
+        mine = _first_draft(drafter, target, one_token)
+        drafter.follow_hint_after = None
+        assert torch.equal(mine, _first_draft(drafter, target, one_token))  # the drafter's own argmax block
+        assert mine.tolist() != [[12, 13, 20, 21]]
+        drafter.follow_hint_after = 0
+        assert _first_draft(drafter, target, two_tokens).tolist() == [[12, 13, 20, 10]]
+
+
+def test_follow_hint_with_confidence_threshold_drafts_whole_hints_and_confident_prefixes():
+    """With confidence_threshold too: a step where a row copies its hint drafts K slots (the hint whole);
+    a step where none does drafts the confident prefix only (here none: an untrained drafter is unsure)."""
+    target = build_target("llama")
+    torch.manual_seed(4)
+    drafter = build_drafter(target, "hinted", block_size=5).eval()
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram, drafter.confidence_threshold = 0, 2, 0.99
+    with torch.no_grad():
+        assert _first_draft(drafter, target, torch.tensor([[10, 11, 12, 13, 20, 10, 11]])).tolist() == [[12, 13, 20, 10]]
+        assert _first_draft(drafter, target, torch.tensor([[10, 11, 12, 13, 20, 21, 11]])).shape == (1, 0)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_follow_hint_min_ngram_keeps_greedy_identity(threshold):
+    target = tiny_target("llama", vocab_size=64)
+    torch.manual_seed(7)
+    drafter = build_drafter(target, "hinted", block_size=5)
+    drafter.confidence_threshold = threshold
+    prompts, mask = left_padded_prompts([6, 12, 9], 64, seed=5)
+    ids = torch.cat([prompts, prompts[:, -4:]], 1)  # the last tokens recur: long and short matches
+    mask = torch.cat([mask, torch.ones_like(mask[:, -4:])], 1)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    plain = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
+    assert torch.equal(out.sequences, ref) and torch.equal(plain.sequences, ref)
+    assert out.accepted_counts != plain.accepted_counts  # some hint was copied

@@ -10,7 +10,8 @@ prefix; 0 where no n-gram matches, :func:`drafters.hints.lookup_hints`) and from
 argmax's correct prefix). The JSON gives, per hint accept h = 0..K, the number of blocks, the
 drafter's mean accept and how often it accepts at least h: a drafter that trusts right hints accepts
 >= h wherever the hint accepts h. ``mean_accept`` adds the oracle better-of-the-two and the rule
-``follow_hint_after_m`` (draft the hint's block where the drafter agrees with it on the first m slots);
+``follow_hint_after_m`` (draft the hint's block where the drafter agrees with it on the first m slots) and
+``follow_hint_min_ngram_n`` (m = 0, only hints whose n-gram match is at least n tokens long);
 ``tau`` replays greedy verification along each answer with each rule's accepts (the teacher-forced τ).
 On greedy self-distilled data these are the online T=0 accepts and τ.
 """
@@ -39,8 +40,8 @@ def correct_prefix(guess: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
 @torch.no_grad()
 def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -> tuple[torch.Tensor, ...]:
     """Hint accepts, drafter accepts, how many leading slots the drafter's argmax agrees with a found hint,
-    and whether a hint was found, one entry per response anchor of ``rows`` (row by row, anchors in order):
-    four (N,)."""
+    and the length of the hint's n-gram match (0: none found), one entry per response anchor of ``rows``
+    (row by row, anchors in order): four (N,)."""
     cfg, out = drafter.config, []
     for s in range(0, len(rows), 8):
         b = collate(rows[s: s + 8])
@@ -52,22 +53,23 @@ def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -
             anchors = (lo[:, None] - 1 + j).masked_fill(~amask, 0)  # (Bt, A)
             logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"])
             labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])  # (Bt, A, K)
-            hints, found = lookup_hints(b["input_ids"], b["attention_mask"].bool(), anchors,
+            hints, ngram = lookup_hints(b["input_ids"], b["attention_mask"].bool(), anchors,
                                         cfg.num_draft_tokens, cfg.lookup_max_ngram or 3)
+            found = ngram > 0
             guess = logits.argmax(-1)  # (Bt, A, K)
             chunks.append((correct_prefix(hints, labels, mask) * found, correct_prefix(guess, labels, mask),
-                           correct_prefix(guess, hints, torch.ones_like(mask)) * found, found.long(), amask))
+                           correct_prefix(guess, hints, torch.ones_like(mask)) * found, ngram, amask))
         *columns, amask = (torch.cat(parts, dim=1) for parts in zip(*chunks))  # (Bt, anchors) each
         out.append([c[amask] for c in columns])
     return tuple(torch.cat(parts) for parts in zip(*out))
 
 
-def follow_hint_after(hint: torch.Tensor, draft: torch.Tensor, agree: torch.Tensor, found: torch.Tensor,
-                      m: int) -> torch.Tensor:
-    """Accepts of the rule "draft the hint's whole block where one was found and the drafter agrees with it
-    on the first m slots (m = 0: wherever found), else the drafter's own block" (no oracle: both are known
-    before verification)."""
-    return torch.where((agree >= m) & found.bool(), hint, draft)
+def follow_hint_after(hint: torch.Tensor, draft: torch.Tensor, agree: torch.Tensor, ngram: torch.Tensor,
+                      m: int, min_ngram: int = 1) -> torch.Tensor:
+    """Accepts of the rule "draft the hint's whole block where one was found from an n-gram of at least
+    ``min_ngram`` tokens and the drafter agrees with it on the first m slots (m = 0: wherever found), else
+    the drafter's own block" (no oracle: both are known before verification)."""
+    return torch.where((agree >= m) & (ngram >= max(1, min_ngram)), hint, draft)
 
 
 def replay_tau(accept: torch.Tensor, anchors_per_row: list[int]) -> float:
@@ -95,6 +97,17 @@ def by_hint(hint: torch.Tensor, draft: torch.Tensor, num_slots: int) -> list[dic
     return table
 
 
+def by_ngram(hint: torch.Tensor, draft: torch.Tensor, ngram: torch.Tensor) -> list[dict]:
+    """Per length n of the hint's n-gram match (0: none): blocks, the hint's and the drafter's mean accept."""
+    table = []
+    for n in range(int(ngram.max()) + 1 if ngram.numel() else 0):
+        sel = ngram == n
+        if bool(sel.any()):
+            table.append({"ngram": n, "blocks": int(sel.sum()), "hint_mean_accept": round(float(hint[sel].float().mean()), 3),
+                          "drafter_mean_accept": round(float(draft[sel].float().mean()), 3)})
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True, help="a saved drafter dir (experiments.train's <run>/drafter)")
@@ -115,10 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
             if min(len(data[i]["input_ids"]), args.max_length) > data[i]["prompt_len"] + 1]
     if not rows:
         raise ValueError(f"{args.data_dir}: no held-out answer with a response inside --max-length {args.max_length}")
-    hint, draft, agree, found = accepts(drafter, rows)
+    hint, draft, agree, ngram = accepts(drafter, rows)
     per_row = [len(r["input_ids"]) - r["prompt_len"] for r in rows]
-    rules = {"hint": hint, "drafter": draft, **{f"follow_hint_after_{m}": follow_hint_after(hint, draft, agree, found, m)
-                                                for m in (0, 1, 2, 3, 4)}}
+    rules = {"hint": hint, "drafter": draft,
+             **{f"follow_hint_after_{m}": follow_hint_after(hint, draft, agree, ngram, m) for m in (0, 1, 2, 3, 4)},
+             **{f"follow_hint_min_ngram_{n}": follow_hint_after(hint, draft, agree, ngram, 0, n)
+                for n in range(2, (drafter.config.lookup_max_ngram or 3) + 1)}}
     k = drafter.config.num_draft_tokens
     result = {"config": {**vars(args), "drafter": runs_path(args.drafter), "data_dir": cache_path(args.data_dir),
                          "target": portable_path(args.target)},
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
               "tau": {k: round(replay_tau(v, per_row), 3) for k, v in rules.items()},
               "mean_accept": {**{k: round(float(v.float().mean()), 3) for k, v in rules.items()},
                               "best_of_both": round(float(torch.maximum(hint, draft).float().mean()), 3)},
-              "by_hint_accept": by_hint(hint, draft, k)}
+              "by_hint_accept": by_hint(hint, draft, k), "by_ngram": by_ngram(hint, draft, ngram)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -5,8 +5,8 @@ a freshly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (unt
 what trained ones do; ``--drafter-config layerwise --num-layers 2`` profiles the main job's design) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
 prompts of 185-215 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
 first ``--skip`` steps, the prefill and the last step are left out. Greedy, and sampling at the
-``--sampled`` temperatures (variants ``*_T1``). Parts: ``draft`` (of which ``draft_logits@draft``:
-the drafter's forward), ``target_forward``, ``verify``, ``bookkeeping`` (emitted tokens, EOS and
+``--sampled`` temperatures (variants ``*_T1``). Parts: ``draft`` (of which ``draft_states@draft``:
+the drafter's layers; its LM head is ``lm_head@draft``), ``target_forward``, ``verify``, ``bookkeeping`` (emitted tokens, EOS and
 budget, the Python lists), ``select_rows``, ``crop`` (KV cache crop and the new columns' mask),
 ``drafter_extend``; ``lm_head@<part>`` is the time in the target's LM head (which the drafter
 shares) within that part. Medians of wall (``*_ms``) and of CPU time (``*_cpu_ms``, the table's

@@ -4,7 +4,7 @@
 each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,
 ``crop``, ``drafter_extend``) and whose ``next_step()`` it calls when a step ends, so the laps of
 one step partition its wall time. :class:`StepClock` records them (wall and CPU time);
-:func:`timed_parts` adds sub-parts timed inside a lap (the drafter's ``draft_logits``, the LM head,
+:func:`timed_parts` adds sub-parts timed inside a lap (the drafter's layers, the LM head,
 attributed to the lap they fall in: ``lm_head@verify``). Everything here runs the real decoding
 loop: a profiled step is a step of :func:`verify.speculative_generate`.
 
@@ -82,7 +82,8 @@ class StepClock:
 
 @contextlib.contextmanager
 def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
-    """Time ``drafter.draft_logits`` and the target's LM head (which the drafter shares) as sub-parts."""
+    """Time the drafter's layers (``drafter._draft_states``) and the target's LM head (which the drafter
+    shares) as sub-parts."""
     patched: list[tuple[object, str]] = []
 
     def wrap(owner, attr: str, name: str) -> None:
@@ -102,8 +103,8 @@ def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
     head = target.get_output_embeddings()
     if head is not None:
         wrap(head, "forward", "lm_head")
-    if drafter is not None and hasattr(drafter, "draft_logits"):
-        wrap(drafter, "draft_logits", "draft_logits")
+    if drafter is not None and hasattr(drafter, "_draft_states"):
+        wrap(drafter, "_draft_states", "draft_states")
     try:
         yield
     finally:

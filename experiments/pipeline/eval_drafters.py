@@ -59,14 +59,15 @@ def _existing_dir(path: str | Path, what: str) -> Path:
 
 
 def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
-                  follow_hint_after: int | None = None) -> EvalDrafter:
+                  follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
     ``confidence_threshold``: draft only the prefix whose top-1 drafter probability stays above it
     (:attr:`BlockDiffusionDrafter.confidence_threshold`; exact; None = always the whole block).
     ``follow_hint_after``: hinted drafters draft the lookup hint's block where the drafter agrees with it
-    on that many leading slots (:attr:`BlockDiffusionDrafter.follow_hint_after`; exact; None = never).
+    on that many leading slots (:attr:`BlockDiffusionDrafter.follow_hint_after`; exact; None = never),
+    and only where the hint's n-gram match is at least ``follow_hint_min_ngram`` tokens long.
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
@@ -79,13 +80,19 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())
     drafter.to(device=weight.device, dtype=weight.dtype).eval()
-    if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints
-                                          or confidence_threshold is not None):
-        raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0, a drafter trained with "
-                         f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints}) "
-                         "and no confidence_threshold")
+    if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
+        raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
+                         f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints})")
+    if follow_hint_min_ngram != 1 and follow_hint_after is None:
+        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram} needs drafter.follow_hint_after (it "
+                         "only narrows where the hint is copied)")
+    if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
+        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
+                         f"(the drafter's lookup_max_ngram)")
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
-    settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after}
+    drafter.follow_hint_min_ngram = follow_hint_min_ngram
+    settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
+                "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
     return EvalDrafter(drafter, {
         "name": name,
