@@ -89,7 +89,7 @@ def test_bench_hints_counts_each_anchors_accepts():
     """experiments.bench.hints: per response anchor, the hint's accept is the correct prefix of what prompt
     lookup drafts (brute force with verify's rule) and the drafter's is the correct prefix of its argmax
     for that anchor alone, whatever the chunking and padding; by_hint groups them by hint accept."""
-    from experiments.bench.hints import accepts, by_hint, follow_hint_after, replay_tau
+    from experiments.bench.hints import accepts, by_hint, by_ngram, follow_hint_after, replay_tau
 
     target = build_target("llama")
     torch.manual_seed(2)
@@ -129,6 +129,10 @@ def test_bench_hints_counts_each_anchors_accepts():
     assert follow_hint_after(hint_, draft_, agree_, found_, 0).tolist() == [4, 4, 0, 2]  # not found: the drafter's
     ngram_ = torch.tensor([3, 1, 2, 0])  # match lengths: only hints from >= 2 tokens are copied
     assert follow_hint_after(hint_, draft_, agree_, ngram_, 0, min_ngram=2).tolist() == [4, 2, 0, 2]
+    assert by_ngram(hint_, draft_, torch.tensor([3, 1, 3, 0])) == [
+        {"ngram": 0, "blocks": 1, "hint_mean_accept": 0.0, "drafter_mean_accept": 2.0},
+        {"ngram": 1, "blocks": 1, "hint_mean_accept": 4.0, "drafter_mean_accept": 2.0},
+        {"ngram": 3, "blocks": 2, "hint_mean_accept": 2.0, "drafter_mean_accept": 2.0}]
     # row 1: accept 3 at its first anchor -> 4 tokens, then accept 1 -> 2 (the row's end); row 2: 1 + 1
     assert replay_tau(torch.tensor([3, 0, 0, 0, 1, 0, 0, 0]), [6, 2]) == 8 / 4
 

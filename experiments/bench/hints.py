@@ -9,10 +9,11 @@ response anchor: how many slots a greedy verifier would accept from prompt looku
 prefix; 0 where no n-gram matches, :func:`drafters.hints.lookup_hints`) and from the drafter (its
 argmax's correct prefix). The JSON gives, per hint accept h = 0..K, the number of blocks, the
 drafter's mean accept and how often it accepts at least h: a drafter that trusts right hints accepts
->= h wherever the hint accepts h. ``mean_accept`` adds the oracle better-of-the-two and the rule
-``follow_hint_after_m`` (draft the hint's block where the drafter agrees with it on the first m slots) and
-``follow_hint_min_ngram_n`` (m = 0, only hints whose n-gram match is at least n tokens long);
-``tau`` replays greedy verification along each answer with each rule's accepts (the teacher-forced τ).
+>= h wherever the hint accepts h; ``by_ngram`` the hint's and the drafter's mean accept per length of
+the hint's n-gram match. ``mean_accept`` adds the rules ``follow_hint_after_m`` (draft the hint's block
+where the drafter agrees with it on the first m slots), ``follow_hint_min_ngram_n`` (m = 0, only hints
+whose n-gram match is at least n tokens long) and the oracle ``best_of_both`` (the better of hint and
+drafter per block: a bound on any switch); ``tau`` replays greedy verification along each answer with each rule's accepts (the teacher-forced τ).
 On greedy self-distilled data these are the online T=0 accepts and τ.
 """
 
@@ -133,14 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
     rules = {"hint": hint, "drafter": draft,
              **{f"follow_hint_after_{m}": follow_hint_after(hint, draft, agree, ngram, m) for m in (0, 1, 2, 3, 4)},
              **{f"follow_hint_min_ngram_{n}": follow_hint_after(hint, draft, agree, ngram, 0, n)
-                for n in range(2, (drafter.config.lookup_max_ngram or 3) + 1)}}
+                for n in range(2, (drafter.config.lookup_max_ngram or 3) + 1)},
+             "best_of_both": torch.maximum(hint, draft)}  # the oracle: not a rule, a bound on any switch
     k = drafter.config.num_draft_tokens
     result = {"config": {**vars(args), "drafter": runs_path(args.drafter), "data_dir": cache_path(args.data_dir),
                          "target": portable_path(args.target)},
               "lookup_hints": bool(drafter.config.lookup_hints), "blocks": int(hint.numel()),
               "tau": {k: round(replay_tau(v, per_row), 3) for k, v in rules.items()},
-              "mean_accept": {**{k: round(float(v.float().mean()), 3) for k, v in rules.items()},
-                              "best_of_both": round(float(torch.maximum(hint, draft).float().mean()), 3)},
+              "mean_accept": {k: round(float(v.float().mean()), 3) for k, v in rules.items()},
               "by_hint_accept": by_hint(hint, draft, k), "by_ngram": by_ngram(hint, draft, ngram)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
