@@ -144,6 +144,20 @@ def test_sweeps_share_the_ablations_regime(experiment):
     assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
 
 
+@pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "l2r_sweep_chain",
+                                        "l2r_sweep_focal", "l2r_sweep_gamma"])
+def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
+    """conf/regime/ablation.yaml makes each of its experiments a multirun whose report carries the untrained
+    baselines; the sweeps name rows by run dir and show no gain column."""
+    hydra_cfg = _compose("train", [f"experiment={experiment}"]).hydra
+    report = hydra_cfg.callbacks.report
+    assert str(hydra_cfg.mode) == "RunMode.MULTIRUN"
+    assert report._target_ == "experiments.reporting.callback.MultirunReport"
+    assert list(report.baselines) == ["prompt_lookup", "ar_assistant"]
+    sweep = experiment.startswith("l2r_sweep")
+    assert report.baseline == (None if sweep else "uniform") and report.get("name_by_dir", False) == sweep
+
+
 def test_the_ablations_regime_is_the_main_jobs():
     """conf/main.yaml restates conf/regime/ablation.yaml as its stages' overrides: they must agree."""
     main = _compose("main")
