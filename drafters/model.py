@@ -614,13 +614,12 @@ class BlockDiffusionDrafter(nn.Module):
         if self.follow_hint_after is not None and not self.config.lookup_hints:
             raise ValueError("follow_hint_after needs a drafter trained with lookup_hints")
         states = self._draft_states(anchor_ids, anchor_position_ids)  # (B, K, H)
+        logits = self._head(states) if self.confidence_threshold is None else None  # (B, K, V)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
-        if self.follow_hint_after is not None:
-            follow = self._follows_hint(self._head(states[:, : self.follow_hint_after]))
-        if self.confidence_threshold is None or (follow is not None and bool(follow.any())):
-            logits = self._head(states)  # (B, K, V): a copied hint is drafted whole
-        else:
-            logits = self._confident_logits(states)  # (B, W, V)
+        if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
+            follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
+        if logits is None:  # a copied hint is drafted whole; otherwise the confident prefix (B, W, V)
+            logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
         hints = self._block_hints[0][:, : logits.shape[1]] if follow is not None else None  # (B, W)
         if temperature == 0:
             tokens = logits.argmax(-1)
