@@ -53,6 +53,11 @@ class DrafterConfig:
     # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
     lookup_hints: bool = False
     lookup_max_ngram: int = 3
+    # Refinement (self-conditioning): after the first pass, the block runs this many more times with the
+    # previous pass's argmax drafts in slots 1..K instead of MASK / hints, and the last pass drafts. In
+    # training, every other block is conditioned on a first pass's argmax (no gradient through it), so
+    # the drafter learns both passes; 0 = one pass (DFlash's).
+    refine_passes: int = 0
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -90,6 +95,8 @@ class DrafterConfig:
                 f"layerwise_context: each of the {self.num_layers} drafter layers reads one target hidden "
                 f"state, but target_layer_ids {list(self.target_layer_ids)} lists {len(self.target_layer_ids)}"
             )
+        if self.refine_passes < 0:
+            raise ValueError(f"refine_passes must be >= 0, got {self.refine_passes}")
         if self.lookup_max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {self.lookup_max_ngram}")
         if self.num_heads % self.num_kv_heads != 0:

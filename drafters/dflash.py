@@ -144,6 +144,10 @@ def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
                                                   last=cfg.target_fingerprint["num_hidden_layers"],
                                                   dflash=cfg.target_fingerprint["num_hidden_layers"] - 1),
                       stacklevel=4)
+    if cfg.refine_passes:
+        warnings.warn(f"drafter config refine_passes={cfg.refine_passes}: DFlash engines run the block once, so the "
+                      "exported drafter drafts as refine_passes=0 (its first pass, which training also taught)",
+                      stacklevel=4)
     scale = _embedding_scale(getattr(drafter, "_target", None))
     if scale != 1.0:
         raise DFlashFormatError(

@@ -254,7 +254,8 @@ class BlockDiffusionDrafter(nn.Module):
 
         ``directory`` holds either blockdraft's own format (:meth:`save_pretrained`) or a DFlash
         serving checkpoint (``config.json`` with an ``architectures`` list, DESIGN.md §5b), which is
-        converted by :func:`drafters.dflash.load_dflash` and needs ``target``.
+        converted by :func:`drafters.dflash.load_dflash` and needs ``target``. Returned in eval mode, as
+        transformers' ``from_pretrained`` does (with ``refine_passes``, train mode self-conditions).
         """
         directory = Path(directory)
         if not directory.is_dir():
@@ -269,13 +270,13 @@ class BlockDiffusionDrafter(nn.Module):
         if "architectures" in raw or "dflash_config" in raw:  # a HF-style config: the DFlash format
             from drafters.dflash import load_dflash
 
-            return load_dflash(directory, target, drafter_class=cls)
+            return load_dflash(directory, target, drafter_class=cls).eval()
         config = DrafterConfig.from_dict(raw)
         drafter = cls(config)
         drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
         if target is not None:
             drafter.attach_target(target)
-        return drafter
+        return drafter.eval()
 
     # ---- the core forward (shared by training and inference) -------------------------------------
 
@@ -391,8 +392,29 @@ class BlockDiffusionDrafter(nn.Module):
         cols = anchors.clamp(0, seq - 1)  # padding anchors may hold any index
         mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask)
         real = context_mask if context_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        slots = self.slot_ids(input_ids, real, cols) if self.config.lookup_hints else None
-        return self.block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask, slots)
+        return self.refined_block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask,
+                                         self.slot_ids(input_ids, real, cols))
+
+    def refined_block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids) -> torch.Tensor:
+        """:meth:`block_logits` (Bt, A, K, V) under ``config.refine_passes`` = r (0: one pass on ``slot_ids``).
+
+        Eval mode does what :meth:`draft` does: r more passes, each with the previous pass's argmax in the
+        slots. Training mode self-conditions: odd blocks (a = 1, 3, ...) run on the argmax of a first pass
+        made without gradient, even blocks on ``slot_ids``, so one step trains both the first pass and a
+        refining one. slot_ids: (Bt, A, K) long from :meth:`slot_ids`.
+        """
+        args = (anchor_ids, anchor_positions, kv, mask)
+        if self.config.refine_passes == 0:
+            return self.block_logits(*args, slot_ids)
+        if self.training:
+            with torch.no_grad():
+                guess = self.block_logits(*args, slot_ids).argmax(-1)  # (Bt, A, K)
+            odd = torch.arange(anchor_ids.shape[1], device=anchor_ids.device) % 2 == 1  # (A,)
+            return self.block_logits(*args, torch.where(odd[:, None], guess, slot_ids))
+        logits = self.block_logits(*args, slot_ids)
+        for _ in range(self.config.refine_passes):
+            logits = self.block_logits(*args, logits.argmax(-1))
+        return logits
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Same as :meth:`forward_train` (so hooks, wrappers and ``torch.compile`` see a forward)."""
@@ -535,7 +557,7 @@ class BlockDiffusionDrafter(nn.Module):
     def _draft_states(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
         """Normalised output states (B, K, H) of the drafted slots of one block per row (the LM head's input)."""
         self._require_cache()
-        cfg, target = self.config, self.target
+        cfg = self.config
         rows, c, bs = self._mask_buffer.shape[0], self._columns, cfg.block_size
         self._reserve(c + bs)
         self._mask_buffer[:, c : c + bs] = True  # block slots: past the cached columns, see each other
@@ -546,12 +568,21 @@ class BlockDiffusionDrafter(nn.Module):
             slots, ngram = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
             ids[:, 1:] = slots[:, 0]
             self._block_hints = slots[:, 0], ngram[:, 0]  # (B, K), (B,): for follow_hint_after
-        x = target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.weight_ref.dtype)
+        states = self._block_pass(ids, cos, sin, c, mask)
+        for _ in range(cfg.refine_passes):  # the previous pass's argmax in the slots (refined_block_logits)
+            ids[:, 1:] = self._head(states).argmax(-1)
+            states = self._block_pass(ids, cos, sin, c, mask)
+        return states
+
+    def _block_pass(self, ids, cos, sin, columns: int, mask) -> torch.Tensor:
+        """One pass of the drafter's layers over the block tokens ids (B, B) after ``columns`` cached columns;
+        normalised states (B, K, H) of the drafted slots. Writes the block's keys/values past the cache."""
+        x = self.target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         last = len(self.layers) - 1
         for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, self._kv_buffers)):
-            x = draft_layer(layer, x, cos, sin, k_buffer, v_buffer, c, mask,
+            x = draft_layer(layer, x, cos, sin, k_buffer, v_buffer, columns, mask,
                             keep=self.drafted_slots if i == last else None)
         return self.norm(x)  # (B, K, H): the last layer kept the drafted slots only
 
@@ -681,7 +712,7 @@ def _from_checkpoint(cls, target: nn.Module, path: str | Path, *, block_size: in
 
         warnings.warn(f"drafter.init_from={path}: using its {cfg.num_layers} layers "
                       f"(drafter.num_layers={num_layers} applies to fresh drafters only)", stacklevel=3)
-    return drafter
+    return drafter.train()  # a training start, like from_target's fresh drafters
 
 
 # Re-exported: importable from drafters.model as before drafters.config and drafters.layers existed.

@@ -49,19 +49,23 @@ def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
-DESIGNS = ["dflash", "layerwise", "hinted"]
+DESIGNS = ["dflash", "layerwise", "hinted", "refined"]
 
 
 def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
     """``dflash``: the default drafter; ``layerwise``: 2 layers reading the target's hidden states 0 and 1
     each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2);
-    ``hinted``: layerwise with prompt-lookup hints in the block slots."""
+    ``hinted``: layerwise with prompt-lookup hints in the block slots; ``refined``: hinted with two
+    refinement passes (eval mode, so that training's forward does what drafting does)."""
     if design == "dflash":
         return BlockDiffusionDrafter.from_target(target, **kwargs)
     copy = hasattr(getattr(target, "model", None), "layers")
-    return BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
-                                             init_layers_from_target=copy, qk_norm=not copy,
-                                             lookup_hints=design == "hinted", **kwargs)
+    if design == "refined":
+        kwargs = {"refine_passes": 2, **kwargs}
+    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
+                                                init_layers_from_target=copy, qk_norm=not copy,
+                                                lookup_hints=design in ("hinted", "refined"), **kwargs)
+    return drafter.eval() if design == "refined" else drafter
 
 
 def _token_range(drafter) -> int:

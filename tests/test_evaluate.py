@@ -354,3 +354,8 @@ def test_block_drafter_confidence_threshold(assets):
         block_drafter(target, str(assets / "drafter"), confidence_threshold=1.5)
     with pytest.raises(ValueError, match=r"drafter.follow_hint_min_ngram=2 needs drafter.follow_hint_after"):
         block_drafter(target, str(assets / "drafter"), follow_hint_min_ngram=2)
+    assert plain.drafter.config.refine_passes == 0 and plain.info["config"]["refine_passes"] == 0
+    refined = block_drafter(target, str(assets / "drafter"), refine_passes=2)
+    assert refined.drafter.config.refine_passes == 2 and refined.info["config"]["refine_passes"] == 2
+    with pytest.raises(ValueError, match=r"drafter.refine_passes=-1"):
+        block_drafter(target, str(assets / "drafter"), refine_passes=-1)

@@ -1,7 +1,7 @@
 """Benchmark: does a hinted drafter follow its lookup hint when the hint is right? Teacher-forced.
 
     python -m experiments.bench.hints --drafter <saved drafter dir> --data-dir <its regenerated data dir>
-        [--val-rows 64] [--out runs/bench_hints.json]
+        [--val-rows 64] [--refine-passes N] [--out runs/bench_hints.json]
 
 On the data dir's held-out answers (those training validates on: ``val_fraction`` 0.05, the first
 ``--val-rows`` by id hash, so ``tau["drafter"]`` is the run's logged ``val/tau_greedy``), for every
@@ -115,11 +115,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--data-dir", required=True, help="the regenerated data dir it was trained on")
     p.add_argument("--target", default=str(TINY_TARGET_DIR))
     p.add_argument("--val-rows", type=int, default=64)
+    p.add_argument("--refine-passes", type=int, default=None,
+                   help="passes with the drafter's own argmax in the slots (config.refine_passes); default: as trained")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--out", default="runs/bench_hints.json")
     args = p.parse_args(argv)
     target = load_target(args.target)[0]
     drafter = BlockDiffusionDrafter.from_pretrained(args.drafter, target).eval()
+    if args.refine_passes is not None:
+        drafter.config.refine_passes = args.refine_passes
     store = FeatureStore(ensure_features(target, args.data_dir, drafter.target_layer_ids, max_length=args.max_length))
     data = load_regenerated(args.data_dir)
     # the rows training validates on (drafters.data: held out by id hash, the first max_val_samples by hash)

@@ -59,7 +59,8 @@ def _existing_dir(path: str | Path, what: str) -> Path:
 
 
 def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
-                  follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1) -> EvalDrafter:
+                  follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
+                  refine_passes: int | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -68,6 +69,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     ``follow_hint_after``: hinted drafters draft the lookup hint's block where the drafter agrees with it
     on that many leading slots (:attr:`BlockDiffusionDrafter.follow_hint_after`; exact; None = never),
     and only where the hint's n-gram match is at least ``follow_hint_min_ngram`` tokens long.
+    ``refine_passes``: replaces the saved drafter's ``config.refine_passes`` (passes with its own argmax
+    in the block slots; None = as trained).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
@@ -89,6 +92,10 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
         raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
                          f"(the drafter's lookup_max_ngram)")
+    if refine_passes is not None and refine_passes < 0:
+        raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
+    if refine_passes is not None:
+        drafter.config.refine_passes = refine_passes
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
     drafter.follow_hint_min_ngram = follow_hint_min_ngram
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,

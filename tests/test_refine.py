@@ -1,0 +1,76 @@
+"""Refinement passes (DrafterConfig.refine_passes): the block re-run on its own argmax drafts."""
+
+import pytest
+import torch
+from conftest import sampled_continuations_pvalue, tiny_target
+from test_drafter_model import _run_target, build_drafter, build_target
+
+from drafters import DrafterConfig
+from drafters.attention import build_block_attention_mask
+from drafters.dflash import export_dflash
+
+
+def _forward(drafter, states, ids, anchors):
+    return drafter.forward_train(states, ids, torch.arange(ids.shape[1]).expand_as(ids), anchors)
+
+
+def test_training_self_conditions_odd_blocks_on_a_first_pass():
+    """Train mode: even blocks are the plain pass on the hints, odd blocks one pass on the plain pass's argmax
+    (what eval mode does with one refinement), and the gradient reaches the drafter through both."""
+    target = build_target("llama")
+    torch.manual_seed(5)
+    drafter = build_drafter(target, "hinted", block_size=5, refine_passes=1)
+    ids = torch.randint(0, 6, (2, 16))
+    states = _run_target(target, ids)
+    anchors = torch.tensor([[2, 5, 9, 11], [1, 6, 8, 12]])
+    with torch.no_grad():
+        drafter.config.refine_passes = 0
+        plain = _forward(drafter, states, ids, anchors)
+        drafter.config.refine_passes = 1
+        refined = _forward(drafter.eval(), states, ids, anchors)
+    assert not torch.allclose(plain, refined, atol=1e-3)  # the refinement pass changes the logits
+    trained = _forward(drafter.train(), states, ids, anchors)
+    torch.testing.assert_close(trained[:, 0::2].detach(), plain[:, 0::2], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(trained[:, 1::2].detach(), refined[:, 1::2], atol=2e-5, rtol=1e-4)
+    trained[:, 1::2].logsumexp(-1).sum().backward()  # odd blocks alone
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.layers.parameters() if p.requires_grad)
+
+
+def test_more_passes_draft_from_the_previous_pass():
+    """Two refinement passes = one pass on the argmax of the one-refinement logits (eval mode)."""
+    target = build_target("qwen2")
+    torch.manual_seed(6)
+    drafter = build_drafter(target, "dflash", block_size=4).eval()
+    ids = torch.randint(0, 96, (1, 12))
+    states = _run_target(target, ids)
+    anchors = torch.tensor([[3, 7]])
+    with torch.no_grad():
+        drafter.config.refine_passes = 1
+        once = _forward(drafter, states, ids, anchors)
+        drafter.config.refine_passes = 2
+        twice = _forward(drafter, states, ids, anchors)
+        pos = torch.arange(12).view(1, 12)
+        kv = drafter.context_kv([states[i] for i in drafter.target_layer_ids], pos)
+        mask = build_block_attention_mask(anchors, 4, 12, None, None)
+        again = drafter.block_logits(ids.gather(1, anchors), pos.gather(1, anchors), kv, mask, once.argmax(-1))
+    torch.testing.assert_close(twice, again, atol=2e-5, rtol=1e-4)
+
+
+def test_refined_drafter_keeps_the_target_distribution():
+    """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, drafts sampled
+    from the last of two refinement passes."""
+    target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
+    torch.manual_seed(3)
+    drafter = build_drafter(target, "refined", block_size=4)
+    pvalue, accepted = sampled_continuations_pvalue(target, drafter, [5, 3, 6, 5, 3], 3, 60, 40)
+    assert accepted > 0
+    assert pvalue > 1e-3
+
+
+def test_refine_passes_validated_and_export_warns(tmp_path):
+    target = build_target("qwen2")
+    drafter = build_drafter(target, "dflash", block_size=4, refine_passes=1)
+    with pytest.raises(ValueError, match="refine_passes must be >= 0, got -1"):
+        DrafterConfig.from_dict({**drafter.config.to_dict(), "refine_passes": -1})
+    with pytest.warns(UserWarning, match="refine_passes=1: DFlash engines run the block once"):
+        export_dflash(drafter, tmp_path / "out")
