@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="runs/bench_hints.json")
     args = p.parse_args(argv)
     target = load_target(args.target)[0]
-    drafter = BlockDiffusionDrafter.from_pretrained(args.drafter, target).eval()
+    drafter = BlockDiffusionDrafter.from_pretrained(args.drafter, target)  # eval mode
     if args.refine_passes is not None:
         drafter.config.refine_passes = args.refine_passes
     store = FeatureStore(ensure_features(target, args.data_dir, drafter.target_layer_ids, max_length=args.max_length))

@@ -152,7 +152,7 @@ def end_to_end_runs(args, target, variants: dict, prompts, pad_id: int, device, 
         return {}
     e2e_variants = dict(variants)
     if args.drafter is not None:
-        trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device).eval()
+        trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device)
         e2e_variants[f"trained_K{trained.num_draft_tokens}"] = Variant(trained)
         if baseline is not None:
             old = baseline[1].BlockDiffusionDrafter.from_pretrained(args.drafter, target=target)

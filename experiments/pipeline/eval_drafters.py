@@ -82,7 +82,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     except ValueError as e:
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())
-    drafter.to(device=weight.device, dtype=weight.dtype).eval()
+    drafter.to(device=weight.device, dtype=weight.dtype)  # from_pretrained: eval mode
     if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
         raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
                          f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints})")
@@ -92,9 +92,9 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
         raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
                          f"(the drafter's lookup_max_ngram)")
-    if refine_passes is not None and refine_passes < 0:
-        raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
     if refine_passes is not None:
+        if refine_passes < 0:
+            raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
         drafter.config.refine_passes = refine_passes
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
     drafter.follow_hint_min_ngram = follow_hint_min_ngram
