@@ -471,6 +471,12 @@ class BlockDiffusionDrafter(nn.Module):
     #: three tokens mostly right (``experiments.bench.hints``, ``follow_hint_min_ngram_n``).
     follow_hint_min_ngram: int = 1
 
+    #: Verify at most this many drafted slots per step, the first W of the K (None: all K), in every row,
+    #: copied hints included; the cut comes before :attr:`confidence_threshold`'s. Exact (fixed before the
+    #: target runs). Where the target's forward costs about linearly in tokens (a CPU, a large batch),
+    #: a shorter verified block can pay more than the accepted tokens it loses.
+    max_draft_tokens: int | None = None
+
     def reset(self, batch_size: int) -> None:
         self._columns = 0
         self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
@@ -633,9 +639,9 @@ class BlockDiffusionDrafter(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens (B, K) and, when sampling, q (B, K, V) float32; with :attr:`confidence_threshold`,
-        (B, W) and (B, W, V) for the :meth:`confident_width` W <= K (W = K when some row copies its
-        hint under :attr:`follow_hint_after`).
+        """Tokens (B, W) and, when sampling, q (B, W, V) float32: W = K, or :attr:`max_draft_tokens`; with
+        :attr:`confidence_threshold`, the :meth:`confident_width` within those (all of them when some row
+        copies its hint under :attr:`follow_hint_after`).
 
         Slots of a block are conditionally independent given the context (one forward pass, no
         feedback between slots), so sampling each slot from its own warped distribution makes
@@ -644,7 +650,11 @@ class BlockDiffusionDrafter(nn.Module):
         """
         if self.follow_hint_after is not None and not self.config.lookup_hints:
             raise ValueError("follow_hint_after needs a drafter trained with lookup_hints")
-        states = self._draft_states(anchor_ids, anchor_position_ids)  # (B, K, H)
+        width = self.num_draft_tokens if self.max_draft_tokens is None else self.max_draft_tokens
+        if not 1 <= width <= self.num_draft_tokens or (self.follow_hint_after or 0) > width:
+            raise ValueError(f"max_draft_tokens={self.max_draft_tokens}: must be in 1..K={self.num_draft_tokens} "
+                             f"and at least follow_hint_after={self.follow_hint_after}")
+        states = self._draft_states(anchor_ids, anchor_position_ids)[:, :width]  # (B, W, H)
         logits = self._head(states) if self.confidence_threshold is None else None  # (B, K, V)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
         if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all

@@ -359,3 +359,9 @@ def test_block_drafter_confidence_threshold(assets):
     assert refined.drafter.config.refine_passes == 2 and refined.info["config"]["refine_passes"] == 2
     with pytest.raises(ValueError, match=r"drafter.refine_passes=-1"):
         block_drafter(target, str(assets / "drafter"), refine_passes=-1)
+    assert plain.drafter.max_draft_tokens is None and "max_draft_tokens" not in plain.info["config"]
+    short = block_drafter(target, str(assets / "drafter"), max_draft_tokens=3)
+    assert short.drafter.max_draft_tokens == 3 and short.info["config"]["max_draft_tokens"] == 3
+    k = plain.drafter.num_draft_tokens
+    with pytest.raises(ValueError, match=rf"drafter.max_draft_tokens={k + 1}: must be in 1..{k}"):
+        block_drafter(target, str(assets / "drafter"), max_draft_tokens=k + 1)

@@ -224,6 +224,39 @@ def test_truncated_drafts_keep_greedy_identity(family, threshold):
         assert out.num_target_forwards == out.num_new_tokens
 
 
+@pytest.mark.parametrize("width", [1, 4])
+def test_max_draft_tokens_drafts_the_first_slots_and_keeps_greedy_identity(width):
+    """max_draft_tokens = W: the drafts are the first W slots of the full block (tokens and q), no step
+    accepts more than W, and the output is still the target's greedy output."""
+    target = tiny_target("llama", vocab_size=64, seed=1)
+    torch.manual_seed(7)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=8)
+    ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
+    pos = _prefill(target, drafter, ids, mask)
+    anchors = torch.tensor([5, 6, 7])
+    full_tokens, _ = drafter.draft(anchors, pos)
+    full_q = drafter.draft(anchors, pos, temperature=1.0, generator=torch.Generator().manual_seed(0))[1]
+    drafter.max_draft_tokens = width
+    tokens, _ = drafter.draft(anchors, pos)
+    q = drafter.draft(anchors, pos, temperature=1.0, generator=torch.Generator().manual_seed(0))[1]
+    assert torch.equal(tokens, full_tokens[:, :width]) and q.shape == (3, width, 64)
+    torch.testing.assert_close(q, full_q[:, :width])
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20, eos_token_id=2))
+    assert max(c for counts in out.accepted_counts for c in counts) <= width
+
+
+@pytest.mark.parametrize("width", [0, 8])
+def test_max_draft_tokens_out_of_range_is_refused(width):
+    target = tiny_target("llama", vocab_size=64, seed=1)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=8)  # K = 7
+    ids, mask = left_padded_prompts([6], 64, seed=1)
+    pos = _prefill(target, drafter, ids, mask)
+    drafter.max_draft_tokens = width
+    with pytest.raises(ValueError, match=rf"max_draft_tokens={width}: must be in 1..K=7"):
+        drafter.draft(torch.tensor([5]), pos)
+
+
 class ConfidentPrefix:
     """Wraps a sampling drafter: keeps the leading drafts whose q has a top-1 probability >= threshold
     (the widest prefix over rows), the rule of ``BlockDiffusionDrafter.confidence_threshold``."""

@@ -154,16 +154,17 @@ def test_follow_hint_after_keeps_greedy_identity_and_copies_loops(m):
     assert followed.accepted_counts != plain.accepted_counts
 
 
-@pytest.mark.parametrize("threshold", [None, 0.2])
-def test_follow_hint_after_keeps_the_target_distribution(threshold):
+@pytest.mark.parametrize("threshold, width", [(None, None), (0.2, None), (None, 2)])
+def test_follow_hint_after_keeps_the_target_distribution(threshold, width):
     """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, a hinted
     drafter copying the hint wherever an n-gram matches (one-hot q) and sampling elsewhere (with a
-    confidence threshold: only the confident prefix in steps where no row copies)."""
+    confidence threshold: only the confident prefix in steps where no row copies; with max_draft_tokens:
+    the first 2 slots of every block, copied hints included)."""
     length, batches, rows = 3, 60, 40
     target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
     torch.manual_seed(3)
     drafter = build_drafter(target, "hinted", block_size=4)
-    drafter.follow_hint_after, drafter.confidence_threshold = 0, threshold
+    drafter.follow_hint_after, drafter.confidence_threshold, drafter.max_draft_tokens = 0, threshold, width
     prompt = [5, 3, 6, 5, 3]  # "5 3" recurs: the first block is the hint 6 5 3
     pvalue, accepted = sampled_continuations_pvalue(target, drafter, prompt, length, batches, rows)
     assert accepted > 0
@@ -198,6 +199,8 @@ def test_follow_hint_min_ngram_copies_only_hints_from_long_enough_matches():
         assert mine.tolist() != [[12, 13, 20, 21]]
         drafter.follow_hint_after = 0
         assert _first_draft(drafter, target, two_tokens).tolist() == [[12, 13, 20, 10]]
+        drafter.max_draft_tokens = 2  # the copied hint is cut like the drafter's own block
+        assert _first_draft(drafter, target, two_tokens).tolist() == [[12, 13]]
 
 
 def test_follow_hint_with_confidence_threshold_drafts_whole_hints_and_confident_prefixes():

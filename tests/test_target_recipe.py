@@ -83,6 +83,18 @@ def test_training_prompts_are_disjoint_from_the_suites():
     assert_disjoint(texts["reasoning"], {"gsm_symbolic": load_gsm_symbolic()}, ngram=None)
 
 
+def test_training_prompts_per_source_mapping_gives_each_source_its_count():
+    from collections import Counter
+
+    from omegaconf import OmegaConf
+
+    counts = OmegaConf.create({"code_chat": 5, "reasoning": 4, "dialogue": 9})  # as Hydra hands it over
+    prompts = corpora.training_prompts(per_source=counts)
+    assert Counter(p["domain"] for p in prompts) == {"code": 5, "reasoning": 4, "dialogue": 9}
+    with pytest.raises(KeyError, match="not for source 'reasoning'"):
+        corpora.training_prompts(per_source={"code_chat": 5, "dialogue": 9})
+
+
 def test_repetition_metrics_by_hand():
     assert repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4], 4) == pytest.approx(1 / 5)
     assert repeated_ngram_share([1, 2, 3], 4) == 0.0

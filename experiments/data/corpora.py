@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ast
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,9 +204,19 @@ def render_document(doc: Document, tokenizer) -> str:
 # ----------------------------------------------------------------------------- prompts
 
 
+def _source_count(per_source, name: str) -> int | None:
+    """The prompt count of source ``name`` under ``per_source`` (an int, None, or a mapping by source)."""
+    if not isinstance(per_source, Mapping):
+        return per_source
+    if name not in per_source:
+        raise KeyError(f"per_source gives counts for {sorted(per_source)} but not for source {name!r}; "
+                       "give every source in `sources` a count (null: all of it)")
+    return per_source[name]
+
+
 def training_prompts(
     sources: tuple[str, ...] = ("code_chat", "reasoning", "dialogue"),
-    per_source: int | None = 400,
+    per_source: int | Mapping[str, int | None] | None = 400,
     seed: int = GSM_TRAIN_SEED + 1_000_000,
     include_validation: bool = False,
     holdout_fraction: float = 0.02,
@@ -216,16 +226,19 @@ def training_prompts(
     Returns ``[{"id", "domain", "messages"}]`` where messages stop before the first assistant
     turn. Validation documents of the target's corpus are skipped unless asked for. gsm problems
     come from a seed range of their own (neither the target's training nor the evaluation suite).
+    ``per_source``: prompts taken from each source, evenly spaced (None: all); a mapping gives each
+    source its own count, e.g. ``{code_chat: 300, reasoning: 300, dialogue: 1200}``.
     """
     out = []
     for name in sources:
-        kwargs = {"seed": seed, "num_problems": per_source or 2000} if name == "reasoning" else {}
+        count = _source_count(per_source, name)
+        kwargs = {"seed": seed, "num_problems": count or 2000} if name == "reasoning" else {}
         docs_ = [d for d in load_source(name, **kwargs) if d.messages]
         if not include_validation:
             docs_ = [d for d in docs_ if not is_validation(d.id, holdout_fraction)]
-        if per_source is not None:
-            step = max(1, len(docs_) // per_source)
-            docs_ = docs_[::step][:per_source]
+        if count is not None:
+            step = max(1, len(docs_) // count)
+            docs_ = docs_[::step][:count]
         for d in docs_:
             first_user = next(i for i, m in enumerate(d.messages) if m["role"] == "user")
             out.append({"id": d.id, "domain": d.domain, "messages": d.messages[: first_user + 1]})

@@ -60,7 +60,7 @@ def _existing_dir(path: str | Path, what: str) -> Path:
 
 def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
-                  refine_passes: int | None = None) -> EvalDrafter:
+                  refine_passes: int | None = None, max_draft_tokens: int | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -70,7 +70,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     on that many leading slots (:attr:`BlockDiffusionDrafter.follow_hint_after`; exact; None = never),
     and only where the hint's n-gram match is at least ``follow_hint_min_ngram`` tokens long.
     ``refine_passes``: replaces the saved drafter's ``config.refine_passes`` (passes with its own argmax
-    in the block slots; None = as trained).
+    in the block slots; None = as trained). ``max_draft_tokens``: verify only the first W of the K drafted
+    slots in every step (:attr:`BlockDiffusionDrafter.max_draft_tokens`; exact; None = all K).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
@@ -92,14 +93,18 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
         raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
                          f"(the drafter's lookup_max_ngram)")
+    if max_draft_tokens is not None and not max(1, follow_hint_after or 0) <= max_draft_tokens <= drafter.num_draft_tokens:
+        raise ValueError(f"drafter.max_draft_tokens={max_draft_tokens}: must be in {max(1, follow_hint_after or 0)}.."
+                         f"{drafter.num_draft_tokens} (K of {path}; at least drafter.follow_hint_after) or null")
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
         drafter.config.refine_passes = refine_passes
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
-    drafter.follow_hint_min_ngram = follow_hint_min_ngram
+    drafter.follow_hint_min_ngram, drafter.max_draft_tokens = follow_hint_min_ngram, max_draft_tokens
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
-                "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None}
+                "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
+                "max_draft_tokens": max_draft_tokens}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
     return EvalDrafter(drafter, {
         "name": name,
