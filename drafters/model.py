@@ -655,11 +655,11 @@ class BlockDiffusionDrafter(nn.Module):
             raise ValueError(f"max_draft_tokens={self.max_draft_tokens}: must be in 1..K={self.num_draft_tokens} "
                              f"and at least follow_hint_after={self.follow_hint_after}")
         states = self._draft_states(anchor_ids, anchor_position_ids)[:, :width]  # (B, W, H)
-        logits = self._head(states) if self.confidence_threshold is None else None  # (B, K, V)
+        logits = self._head(states) if self.confidence_threshold is None else None  # (B, W, V)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
         if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
             follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
-        if logits is None:  # a copied hint is drafted whole; otherwise the confident prefix (B, W, V)
+        if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
             logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
         hints = self._block_hints[0][:, : logits.shape[1]] if follow is not None else None  # (B, W)
         if temperature == 0:

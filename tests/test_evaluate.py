@@ -112,6 +112,7 @@ def test_evaluate_fields(results):
                 assert r["new_tokens"] == sum(r["new_tokens_per_turn"]) and len(r["steps_per_turn"]) == r["turns"]
                 assert all(n == MAX_NEW for n in r["new_tokens_per_turn"])  # a random model never emits EOS here
             assert e["num_turns"] == sum(r["turns"] for r in records)
+            assert K - 1 <= e["mean_draft_width"] <= K  # all K drafts each step, but a row's last ones cut to its budget
             assert e["spec_tokens_per_s"] > 0 and e["target_tokens_per_s"] > 0
             assert e["speedup"] == pytest.approx(e["spec_tokens_per_s"] / e["target_tokens_per_s"])
             assert e["target_new_tokens"] == e["num_turns"] * MAX_NEW

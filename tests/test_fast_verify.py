@@ -244,6 +244,7 @@ def test_max_draft_tokens_drafts_the_first_slots_and_keeps_greedy_identity(width
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20, eos_token_id=2))
     assert max(c for counts in out.accepted_counts for c in counts) <= width
+    assert width * (out.num_batched_forwards - 2) <= out.num_verified_slots <= width * out.num_batched_forwards
 
 
 @pytest.mark.parametrize("width", [0, 8])

@@ -45,6 +45,7 @@ class SpeculativeOutput(TargetOutput):
     accepted_counts: list[list[int]] = field(default_factory=list)  # kept drafts, per row per step
     target_forwards_per_row: list[int] = field(default_factory=list)  # verification steps per row
     num_batched_forwards: int = 0  # target forward calls after prefill (the batch's step count)
+    num_verified_slots: int = 0  # drafts verified per row, summed over those calls (W of each step)
     tau: float = 0.0  # micro: all kept new tokens / all verification steps
     tau_macro: float = 0.0
     accept_histogram: list[int] = field(default_factory=list)  # steps that kept 0..K drafts
@@ -58,6 +59,7 @@ class _Decoded:
     accepted_counts: list[list[int]]
     num_batched_forwards: int
     wall_time: float
+    num_verified_slots: int = 0
 
 
 def _eos_tensor(eos_token_id, device) -> torch.Tensor:
@@ -385,6 +387,7 @@ def _decode(
         slots = all_slots[: drafts.shape[1] + 1]  # (W + 1,)
         step = _verify(run, live, drafts, q, slots, temperature, top_k, top_p, generator, clock)
         out.num_batched_forwards += 1
+        out.num_verified_slots += drafts.shape[1]
         done_list, accepted_list = _emit(live, step, eos, out)
         clock.lap("bookkeeping")
         if any(done_list):
@@ -451,6 +454,7 @@ def speculative_generate(
         accepted_counts=decoded.accepted_counts,
         target_forwards_per_row=steps,
         num_batched_forwards=decoded.num_batched_forwards,
+        num_verified_slots=decoded.num_verified_slots,
         tau=metrics["tau"],
         tau_macro=metrics["tau_macro"],
         accept_histogram=metrics["accept_hist"],

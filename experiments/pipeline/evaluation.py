@@ -107,6 +107,7 @@ class _Decoding:
     target_time: float = 0.0
     target_new: int = 0
     batched_forwards: int = 0
+    verified_slots: int = 0
     truncated: int = 0
     matches: int = 0
 
@@ -142,6 +143,7 @@ def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decod
                                **run.kwargs)
     run.spec_time += out.wall_time
     run.batched_forwards += out.num_batched_forwards
+    run.verified_slots += out.num_verified_slots
     done = [({"new_tokens": len(out.new_tokens[row]), "steps": out.target_forwards_per_row[row],
               "accepted_counts": list(out.accepted_counts[row])},
              tokenizer.decode(out.new_tokens[row], skip_special_tokens=True).strip()) for row in range(len(rows))]
@@ -177,6 +179,8 @@ def _entry(suite: str, temperature: float, metrics: dict, total: int, run: _Deco
         "num_turns": total,
         "truncated_prompts": run.truncated,  # turns whose prompt lost its first tokens to max_prompt_tokens
         "batched_forwards": run.batched_forwards,  # target calls after prefill, summed over batches
+        # Drafts the target verified per call (the width W <= K; the block is W + 1 tokens per row).
+        "mean_draft_width": run.verified_slots / max(run.batched_forwards, 1),
         "spec_wall_time_s": run.spec_time,
         "spec_tokens_per_s": spec_tps,
         "target_new_tokens": run.target_new if measure_target_only else None,
