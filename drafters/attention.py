@@ -61,3 +61,12 @@ def build_block_attention_mask(
     blk = blk.unsqueeze(0).expand(bt, -1, -1)  # (Bt, A*B, A*B)
 
     return torch.cat([ctx, blk], dim=-1).unsqueeze(1)  # (Bt, 1, A*B, S + A*B)
+
+
+def block_mask_subset(mask: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The mask of :func:`build_block_attention_mask` for the blocks ``blocks`` (n,) long only: their
+    query rows and, past the S context columns, their own slots' key columns, (Bt, 1, n*B, S + n*B)."""
+    slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=mask.device)).flatten()  # (n*B,)
+    context = mask.shape[-1] - mask.shape[-2]  # S: the keys are [context, every block's slots]
+    keys = torch.cat([torch.arange(context, device=mask.device), context + slots])
+    return mask[:, :, slots][..., keys]

@@ -65,21 +65,44 @@ class DrafterAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        # x (Bt, N, H) normalised block states; ctx_k/ctx_v (Bt, h_kv, S, d); mask (Bt, 1, N, S + N)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
+        # x (Bt, N, H) normalised block states, N = A blocks x block_size; ctx_k/ctx_v (Bt, h_kv, S, d);
+        # mask (Bt, 1, N, S + N) from drafters.attention.build_block_attention_mask
         q = self._heads(self.q_proj(x), self.num_heads)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q, cos, sin)  # (Bt, h, N, d)
         k, v = self.key_value(x, cos, sin)  # (Bt, h_kv, N, d)
-        k = torch.cat([ctx_k, k], dim=2)  # (Bt, h_kv, S + N, d)
-        v = torch.cat([ctx_v, v], dim=2)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
+            k, v, ctx_k, ctx_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, ctx_k, ctx_v))
+        if q.device.type == "cpu":  # the fused kernel would score every block's slots; see block_attention
+            out = block_attention(q, k, v, ctx_k, ctx_v, mask[..., : ctx_k.shape[2]], block_size)
+        else:  # the fused kernel never holds the (N, S) scores: the memory a GPU-sized step needs
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (Bt, h, S + N, d)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N, h*d)
         return self.o_proj(out)
+
+
+def block_attention(q, k, v, ctx_k, ctx_v, context_mask, block_size: int) -> torch.Tensor:
+    """Attention of A blocks' slots over the context keys ``context_mask`` allows and their own block's keys.
+
+    q, k, v: (Bt, h, N, d), N = A * block_size, block-major; ctx_k, ctx_v: (Bt, h, S, d); context_mask:
+    (Bt, 1, N, S) bool. Returns (Bt, h, N, d): scaled_dot_product_attention under
+    :func:`drafters.attention.build_block_attention_mask` (whose other-block part is all False), scoring
+    S + block_size keys per slot instead of S + N (a third of the work at S = 300, A = 32, block 16).
+    """
+    bt, h, n, d = q.shape
+    blocks = n // block_size
+    scale = d ** -0.5
+    context = (q @ ctx_k.transpose(-1, -2) * scale).masked_fill(~context_mask, float("-inf"))  # (Bt, h, N, S)
+    qb = q.reshape(bt, h, blocks, block_size, d)
+    own = qb @ k.reshape(bt, h, blocks, block_size, d).transpose(-1, -2) * scale  # (Bt, h, A, B, B)
+    p = torch.cat([context, own.reshape(bt, h, n, block_size)], dim=-1).softmax(-1)  # (Bt, h, N, S + B)
+    s = ctx_k.shape[2]
+    own_out = p[..., s:].reshape(bt, h, blocks, block_size, block_size) @ v.reshape(bt, h, blocks, block_size, d)
+    return p[..., :s] @ ctx_v + own_out.reshape(bt, h, n, d)
 
 
 class SwiGLU(nn.Module):
@@ -109,13 +132,13 @@ class DrafterLayer(nn.Module):
     #: ``drafter.gradient_checkpointing``); not saved with the drafter. Gradients are unchanged.
     gradient_checkpointing: bool = False
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # x (Bt, N, H) -> (Bt, N, H)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):  # x (Bt, N, H) -> (Bt, N, H)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, ctx_k, ctx_v, mask, use_reentrant=False)
-        return self._forward(x, cos, sin, ctx_k, ctx_v, mask)
+            return checkpoint(self._forward, x, cos, sin, ctx_k, ctx_v, mask, block_size, use_reentrant=False)
+        return self._forward(x, cos, sin, ctx_k, ctx_v, mask, block_size)
 
-    def _forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask)
+    def _forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
+        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask, block_size)
         return x + self.mlp(self.post_attn_norm(x))
 
 

@@ -38,13 +38,13 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafters.attention import build_block_attention_mask
+from drafters.attention import block_mask_subset, build_block_attention_mask
 from drafters.config import (
     FINGERPRINT_KEYS,
     DrafterConfig,
@@ -61,6 +61,16 @@ from verify.rejection import sample_tokens, warp_probs
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+
+
+class _Block(NamedTuple):
+    """One block per row at inference, as the drafter's layers read it."""
+
+    ids: torch.Tensor  # (B, N) long: anchor, then MASK or the lookup hint in each slot
+    cos: torch.Tensor  # (B, N, d) RoPE
+    sin: torch.Tensor  # (B, N, d)
+    columns: int  # cached columns before the block
+    mask: torch.Tensor  # (B, 1, 1, columns + N) bool: the keys each slot sees
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,7 +357,7 @@ class BlockDiffusionDrafter(nn.Module):
         positions = (anchor_positions.unsqueeze(-1) + offsets).view(bt, num_blocks * bs)  # (Bt, A*B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)  # (Bt, A*B, H)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask, bs)  # (Bt, A*B, H)
         # (Bt, A, K, H): the drafted slots, made contiguous so the head runs as one plain matmul
         x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, self.drafted_slots].contiguous()
         head = target.get_output_embeddings()
@@ -406,11 +416,15 @@ class BlockDiffusionDrafter(nn.Module):
         args = (anchor_ids, anchor_positions, kv, mask)
         if self.config.refine_passes == 0:
             return self.block_logits(*args, slot_ids)
-        if self.training:
-            with torch.no_grad():
-                guess = self.block_logits(*args, slot_ids).argmax(-1)  # (Bt, A, K)
-            odd = torch.arange(anchor_ids.shape[1], device=anchor_ids.device) % 2 == 1  # (A,)
-            return self.block_logits(*args, torch.where(odd[:, None], guess, slot_ids))
+        if self.training:  # the first pass only where its argmax is used: the odd blocks (blocks are independent)
+            odd = torch.arange(1, anchor_ids.shape[1], 2, device=anchor_ids.device)  # (A // 2,)
+            slots = slot_ids.clone()
+            if odd.numel():
+                with torch.no_grad():
+                    slots[:, odd] = self.block_logits(anchor_ids[:, odd], anchor_positions[:, odd], kv,
+                                                      block_mask_subset(mask, odd, self.config.block_size),
+                                                      slot_ids[:, odd]).argmax(-1)  # (Bt, A // 2, K)
+            return self.block_logits(*args, slots)
         logits = self.block_logits(*args, slot_ids)
         for _ in range(self.config.refine_passes):
             logits = self.block_logits(*args, logits.argmax(-1))
@@ -562,6 +576,11 @@ class BlockDiffusionDrafter(nn.Module):
 
     def _draft_states(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
         """Normalised output states (B, K, H) of the drafted slots of one block per row (the LM head's input)."""
+        return self._block_states(self._block_inputs(anchor_ids, anchor_position_ids))
+
+    def _block_inputs(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> _Block:
+        """The block tokens, RoPE and mask of one block per row after every cached column; with lookup hints,
+        the hints fill the slots and are kept in ``_block_hints`` for :attr:`follow_hint_after`."""
         self._require_cache()
         cfg = self.config
         rows, c, bs = self._mask_buffer.shape[0], self._columns, cfg.block_size
@@ -576,18 +595,31 @@ class BlockDiffusionDrafter(nn.Module):
             self._block_hints = slots[:, 0], ngram[:, 0]  # (B, K), (B,): for follow_hint_after
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.weight_ref.dtype)
-        states = self._block_pass(ids, cos, sin, c, mask)
-        for _ in range(cfg.refine_passes):  # the previous pass's argmax in the slots (refined_block_logits)
+        return _Block(ids, cos, sin, c, mask)
+
+    def _block_states(self, block: _Block, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """States (b, K, H) of the drafted slots of ``block`` (after ``config.refine_passes``) for ``rows``
+        (b,) long, default every row. Other rows' cached columns are copied, not computed on."""
+        ids, cos, sin, columns, mask = block
+        kv = self._kv_buffers
+        if rows is not None:  # the block's own keys/values are scratch: writing them into a copy is fine
+            end = columns + ids.shape[1]
+            ids, cos, sin, mask = ids[rows], cos[rows], sin[rows], mask[rows]
+            kv = [(k[rows, :, :end], v[rows, :, :end]) for k, v in kv]
+        states = self._block_pass(ids, cos, sin, columns, mask, kv)
+        for _ in range(self.config.refine_passes):  # the previous pass's argmax in the slots (refined_block_logits)
+            ids = ids.clone()
             ids[:, 1:] = self._head(states).argmax(-1)
-            states = self._block_pass(ids, cos, sin, c, mask)
+            states = self._block_pass(ids, cos, sin, columns, mask, kv)
         return states
 
-    def _block_pass(self, ids, cos, sin, columns: int, mask) -> torch.Tensor:
-        """One pass of the drafter's layers over the block tokens ids (B, B) after ``columns`` cached columns;
-        normalised states (B, K, H) of the drafted slots. Writes the block's keys/values past the cache."""
+    def _block_pass(self, ids, cos, sin, columns: int, mask, kv) -> torch.Tensor:
+        """One pass of the drafter's layers over the block tokens ids (B, B) after ``columns`` cached columns
+        of ``kv`` (per layer (keys, values) buffers); normalised states (B, K, H) of the drafted slots. Writes
+        the block's keys/values past the cached columns."""
         x = self.target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, B, H)
         last = len(self.layers) - 1
-        for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, self._kv_buffers)):
+        for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, kv)):
             x = draft_layer(layer, x, cos, sin, k_buffer, v_buffer, columns, mask,
                             keep=self.drafted_slots if i == last else None)
         return self.norm(x)  # (B, K, H): the last layer kept the drafted slots only
@@ -654,7 +686,10 @@ class BlockDiffusionDrafter(nn.Module):
         if not 1 <= width <= self.num_draft_tokens or (self.follow_hint_after or 0) > width:
             raise ValueError(f"max_draft_tokens={self.max_draft_tokens}: must be in 1..K={self.num_draft_tokens} "
                              f"and at least follow_hint_after={self.follow_hint_after}")
-        states = self._draft_states(anchor_ids, anchor_position_ids)[:, :width]  # (B, W, H)
+        block = self._block_inputs(anchor_ids, anchor_position_ids)
+        if self.follow_hint_after == 0 and bool(self._copied_rows().any()):
+            return self._draft_with_copies(block, width, temperature, top_k, top_p, generator)
+        states = self._block_states(block)[:, :width]  # (B, W, H)
         logits = self._head(states) if self.confidence_threshold is None else None  # (B, W, V)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
         if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
@@ -669,6 +704,28 @@ class BlockDiffusionDrafter(nn.Module):
         if follow is not None:  # copied rows: q is the point mass on the hint, from which the hint is the draw
             q = torch.where(follow[:, None, None], nn.functional.one_hot(hints, q.shape[-1]).to(q.dtype), q)
         return sample_tokens(q, generator), q  # (B, W): slot k drawn from q[:, k]
+
+    def _copied_rows(self) -> torch.Tensor:
+        """(B,) bool: under ``follow_hint_after = 0``, the rows whose hint is copied, known before any pass."""
+        return self._block_hints[1] >= max(1, self.follow_hint_min_ngram)
+
+    def _draft_with_copies(self, block: _Block, width: int, temperature: float, top_k, top_p, generator):
+        """:meth:`draft` when some rows copy their hint under ``follow_hint_after = 0``: the hint is their block
+        (all W slots; q the point mass on it), so the drafter's passes and head run on the other rows only."""
+        copied = self._copied_rows()  # (B,)
+        hints = self._block_hints[0][:, :width]  # (B, W)
+        own = (~copied).nonzero().squeeze(1)  # (b,) rows that draft their own block
+        logits = self._head(self._block_states(block, own)[:, :width]) if own.numel() else None  # (b, W, V)
+        if temperature == 0:
+            tokens = hints.clone()
+            if logits is not None:
+                tokens[own] = logits.argmax(-1)
+            return tokens, None
+        vocab = self.target.get_output_embeddings().out_features
+        q = nn.functional.one_hot(hints, vocab).float()  # (B, W, V)
+        if logits is not None:
+            q[own] = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        return sample_tokens(q, generator), q  # (B, W)
 
     def _follows_hint(self, logits: torch.Tensor) -> torch.Tensor:
         """(B,) bool: rows whose block is the lookup hint under :attr:`follow_hint_after` (logits (B, >= m, V))."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.attention import build_block_attention_mask
+from drafters.attention import block_mask_subset, build_block_attention_mask
 
 
 def brute_force_mask(anchors, block_size, context_len, context_valid, anchor_valid):
@@ -36,6 +36,18 @@ def test_matches_brute_force_on_random_anchors(seed):
     assert torch.equal(got, want)
 
 
+
+@pytest.mark.parametrize("blocks", [[1, 3], [0], [2, 3, 4]])
+def test_block_subset_is_the_mask_of_those_anchors(blocks):
+    """block_mask_subset(mask, blocks) is the mask built for anchors[:, blocks] alone."""
+    g = torch.Generator().manual_seed(4)
+    anchors = torch.randint(0, 9, (2, 5), generator=g)
+    context_valid, anchor_valid = torch.rand(2, 9, generator=g) > 0.3, torch.rand(2, 5, generator=g) > 0.25
+    full = build_block_attention_mask(anchors, 3, 9, context_valid, anchor_valid)
+    idx = torch.tensor(blocks)
+    want = build_block_attention_mask(anchors[:, idx], 3, 9, context_valid, anchor_valid[:, idx])
+    assert torch.equal(block_mask_subset(full, idx, 3), want)
+
 def test_defaults_mean_all_valid():
     anchors = torch.tensor([[0, 3, 5]])
     got = build_block_attention_mask(anchors, 2, 6)
@@ -60,3 +72,28 @@ def test_bad_shapes_are_named():
         build_block_attention_mask(torch.zeros(2, 3, dtype=torch.long), 4, 5, None, torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="anchors"):
         build_block_attention_mask(torch.zeros(3, dtype=torch.long), 4, 5)
+
+
+def test_block_attention_is_sdpa_under_the_block_mask():
+    """drafters.layers.block_attention (the CPU training path) = scaled_dot_product_attention over
+    [context, every block's slots] under build_block_attention_mask, outputs and gradients, with padding
+    anchors (context hidden) and padding columns."""
+    import torch.nn.functional as F
+
+    from drafters.layers import block_attention
+
+    g = torch.Generator().manual_seed(0)
+    bt, h, blocks, bs, seq, d = 2, 3, 4, 5, 13, 8
+    anchors = torch.randint(0, seq, (bt, blocks), generator=g)
+    context_valid, anchor_valid = torch.rand(bt, seq, generator=g) > 0.2, torch.rand(bt, blocks, generator=g) > 0.3
+    mask = build_block_attention_mask(anchors, bs, seq, context_valid, anchor_valid)
+    q, k, v = (torch.randn(bt, h, blocks * bs, d, generator=g, requires_grad=True) for _ in range(3))
+    ctx_k, ctx_v = (torch.randn(bt, h, seq, d, generator=g, requires_grad=True) for _ in range(2))
+    inputs = (q, k, v, ctx_k, ctx_v)
+    want = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), attn_mask=mask)
+    got = block_attention(q, k, v, ctx_k, ctx_v, mask[..., :seq], bs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn(want.shape, generator=g)
+    want_grads = torch.autograd.grad(want, inputs, grad_out)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, inputs, grad_out), want_grads):
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)

@@ -215,6 +215,39 @@ def test_follow_hint_with_confidence_threshold_drafts_whole_hints_and_confident_
         assert _first_draft(drafter, target, torch.tensor([[10, 11, 12, 13, 20, 21, 11]])).shape == (1, 0)
 
 
+
+@pytest.mark.parametrize("refine_passes", [0, 2])
+def test_rows_that_copy_their_hint_skip_the_drafters_passes(refine_passes):
+    """follow_hint_after = 0: which rows copy their hint is known before the drafter runs, so its passes
+    and head run on the other rows only, with the drafts and q of a pass over the whole batch."""
+    from verify.rejection import warp_probs
+
+    target = build_target("llama")
+    torch.manual_seed(4)
+    drafter = build_drafter(target, "hinted", block_size=5, refine_passes=refine_passes).eval()
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    ids = torch.tensor([[10, 11, 12, 13, 20, 10, 11], [10, 11, 12, 13, 20, 21, 11]])  # row 0 copies 12 13 20 10
+    states = _run_target(target, ids[:, :-1])
+    drafter.reset(2)
+    drafter.extend(ids[:, :-1], torch.ones(2, 6, dtype=torch.long), torch.arange(6).repeat(2, 1),
+                   [states[i] for i in drafter.target_layer_ids])
+    anchors, positions = ids[:, -1], torch.tensor([6, 6])
+    passes, block_pass = [], drafter._block_pass
+    drafter._block_pass = lambda block_ids, *rest: passes.append(block_ids.shape[0]) or block_pass(block_ids, *rest)
+    with torch.no_grad():
+        greedy, _ = drafter.draft(anchors, positions)
+        assert passes == [1] * (refine_passes + 1)  # row 1 only
+        sampled, q = drafter.draft(anchors, positions, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        full = drafter.draft_logits(anchors, positions)  # (2, K, V): every row through the drafter
+        assert greedy[0].tolist() == [12, 13, 20, 10] and sampled[0].tolist() == [12, 13, 20, 10]
+        assert torch.equal(greedy[1], full[1].argmax(-1)) and not torch.equal(greedy[1], greedy[0])
+        assert torch.equal(q[0], torch.nn.functional.one_hot(greedy[0], q.shape[-1]).float())
+        torch.testing.assert_close(q[1], warp_probs(full[1:], temperature=1.0)[0])
+        passes.clear()
+        drafter.follow_hint_min_ngram = 1  # both rows copy: no pass at all
+        assert drafter.draft(anchors, positions)[0].tolist() == [[12, 13, 20, 10], [12, 13, 20, 21]]
+        assert passes == []
+
 @pytest.mark.parametrize("threshold", [None, 0.05])
 def test_follow_hint_min_ngram_keeps_greedy_identity(threshold):
     target = tiny_target("llama", vocab_size=64)

@@ -82,7 +82,7 @@ class StepClock:
 
 @contextlib.contextmanager
 def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
-    """Time the drafter's layers (``drafter._draft_states``) and the target's LM head (which the drafter
+    """Time the drafter's layers (``drafter._block_states``) and the target's LM head (which the drafter
     shares) as sub-parts."""
     patched: list[tuple[object, str]] = []
 
@@ -103,8 +103,8 @@ def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
     head = target.get_output_embeddings()
     if head is not None:
         wrap(head, "forward", "lm_head")
-    if drafter is not None and hasattr(drafter, "_draft_states"):
-        wrap(drafter, "_draft_states", "draft_states")
+    if drafter is not None and hasattr(drafter, "_block_states"):
+        wrap(drafter, "_block_states", "draft_states")
     try:
         yield
     finally:
