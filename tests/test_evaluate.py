@@ -291,7 +291,13 @@ def baseline_runs(assets, tmp_path_factory):
     _target(tok, seed=3).save_pretrained(assets / "assistant")
     runs = tmp_path_factory.mktemp("baselines")
     docs = {}
-    for choice, extra in (("prompt_lookup", []), ("ar_assistant", [f"drafter.path={assets / 'assistant'}"])):
+    from drafters.data import write_shard
+
+    answers = [tok(t)["input_ids"] for t in ["The answer is 5. Fine, thank you.", "def add(a, b):\n    # ok"]]
+    write_shard([{"id": f"r{i}", "domain": "dialogue", "input_ids": [1, 2, *a], "prompt_len": 2}
+                 for i, a in enumerate(answers)], assets / "regen")
+    for choice, extra in (("prompt_lookup", []), ("ar_assistant", [f"drafter.path={assets / 'assistant'}"]),
+                          ("corpus_lookup", [f"drafter.data_dir={assets / 'regen'}"])):
         overrides = [o for o in _overrides(assets, runs / choice) if not o.startswith("drafter.path=")]
         docs[choice] = ev.run_evaluation(_compose([*overrides, f"drafter={choice}", *extra]))
     return runs, docs
@@ -311,6 +317,9 @@ def test_baselines_through_the_entry_point(baseline_runs, assets):
             assert entries["t0"]["greedy_match"] == 1.0 and entries["t0"]["K"] == 15  # exact at T=0
             assert len(entries["t1"]["accept_hist"]) == 16
     assert json.loads((runs / "prompt_lookup" / "results.json").read_text())["drafter"]["name"] == "prompt_lookup"
+    corpus = docs["corpus_lookup"]["drafter"]
+    assert (corpus["name"], corpus["kind"], corpus["path"]) == ("corpus_lookup", "corpus_lookup", str(assets / "regen"))
+    assert corpus["config"]["answers"] == 2 and corpus["config"]["prompt_min_ngram"] == 2
 
 
 def test_report_names_baseline_rows(baseline_runs, hydra_run, tmp_path):
@@ -337,6 +346,8 @@ def test_baseline_errors(assets, tmp_path):
         ev.run_evaluation(_compose([*base, "drafter=ar_assistant", f"drafter.path={tmp_path / 'missing'}"]))
     with pytest.raises(ValueError, match="min_ngram"):
         ev.run_evaluation(_compose([*base, "drafter=prompt_lookup", "drafter.min_ngram=4"]))
+    with pytest.raises(FileNotFoundError, match="drafter.data_dir=.*no such directory; give a regenerated data folder"):
+        ev.run_evaluation(_compose([*base, "drafter=corpus_lookup", f"drafter.data_dir={tmp_path / 'missing'}"]))
     with pytest.raises(TypeError, match="not an evaluation drafter"):
         ev.run_evaluation(_compose([*base, "drafter=dflash"]))  # training's drafter group: refused with a clear error
 

@@ -1,6 +1,13 @@
 """Exact speculative decoding: rejection-sampling verifier, decoding loops, drafter protocol, metrics."""
 
-from verify.drafter import AssistantDrafter, Drafter, PromptLookupDrafter, truncated_copy
+from verify.drafter import (
+    AssistantDrafter,
+    CorpusLookupDrafter,
+    Drafter,
+    NgramStore,
+    PromptLookupDrafter,
+    truncated_copy,
+)
 from verify.generate import SpeculativeOutput, TargetOutput, speculative_generate, target_generate
 from verify.hf import max_positions, new_kv_cache, output_vocab_size
 from verify.metrics import (
@@ -15,7 +22,9 @@ from verify.rejection import sample_tokens, verify_block, verify_greedy, warp_pr
 
 __all__ = [
     "AssistantDrafter",
+    "CorpusLookupDrafter",
     "Drafter",
+    "NgramStore",
     "PromptLookupDrafter",
     "SpeculativeOutput",
     "TargetOutput",

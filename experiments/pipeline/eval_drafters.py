@@ -8,7 +8,9 @@ report's row, ``kind``, ``path``, ``config``, ``num_parameters``, ``training_run
 * ``block`` (``drafter.path=<dir>``): a block drafter saved by ``experiments.train``;
 * ``prompt_lookup``: n-gram lookup in each row's own tokens (:class:`verify.PromptLookupDrafter`);
 * ``ar_assistant``: a small Hugging Face causal LM drafting autoregressively
-  (:class:`verify.AssistantDrafter`), by default the one shipped in ``experiments/assets/ar_assistant``.
+  (:class:`verify.AssistantDrafter`), by default the one shipped in ``experiments/assets/ar_assistant``;
+* ``corpus_lookup`` (``drafter.data_dir=<regenerated data folder>``): retrieval drafting from the n-grams of
+  the target's regenerated answers (:class:`verify.CorpusLookupDrafter`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import conf
+from drafters.data import load_regenerated
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import BlockDiffusionDrafter
 from experiments.pipeline.records import training_run_info
-from verify import AssistantDrafter, PromptLookupDrafter
+from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.hf import output_vocab_size
 
 CHOICES_DIR = Path(conf.__file__).parent / "eval" / "drafter"  # the ``drafter=<choice>`` group of experiments.evaluate
@@ -51,10 +54,10 @@ def _target_path(target) -> str:
     return str(getattr(target, "name_or_path", "") or getattr(target.config, "_name_or_path", ""))
 
 
-def _existing_dir(path: str | Path, what: str) -> Path:
+def _existing_dir(path: str | Path, what: str, key: str = "drafter.path") -> Path:
     directory = Path(str(path)).expanduser()
     if not directory.is_dir():
-        raise FileNotFoundError(f"drafter.path={path}: no such directory; give {what}")
+        raise FileNotFoundError(f"{key}={path}: no such directory; give {what}")
     return directory.resolve()
 
 
@@ -167,3 +170,35 @@ def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_
                        f"drafting K={num_draft_tokens} tokens one forward at a time",
     })
 
+
+
+def corpus_lookup(target, data_dir: str, num_draft_tokens: int = 15, max_ngram: int = 4, min_ngram: int = 1,
+                  prompt_min_ngram: int | None = 2, fallback: dict | None = None,
+                  name: str = "corpus_lookup") -> EvalDrafter:
+    """Retrieval drafting: an :class:`verify.NgramStore` of every answer in a regenerated data folder (each
+    with the last ``max_ngram - 1`` tokens of its prompt, the assistant cue), after prompt lookup where the
+    row's own n-gram of at least ``prompt_min_ngram`` tokens recurs (None: the store alone). No training.
+    ``fallback``: :func:`block_drafter`'s arguments (``path`` and its settings): that drafter drafts the rows
+    whose last ``min_ngram`` tokens the store never saw."""
+    directory = _existing_dir(data_dir, "a regenerated data folder (experiments.regenerate prints it)", "drafter.data_dir")
+    sequences = [row["input_ids"][max(0, row["prompt_len"] - max_ngram + 1):] for row in load_regenerated(directory)]
+    store = NgramStore(sequences, max_ngram)
+    block = None if fallback is None else block_drafter(target, **fallback)
+    drafter = CorpusLookupDrafter(store, output_vocab_size(target), num_draft_tokens, min_ngram, prompt_min_ngram,
+                                  fallback=None if block is None else block.drafter)
+    config = {"num_draft_tokens": num_draft_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
+              "prompt_min_ngram": prompt_min_ngram, "answers": len(sequences), "store_tokens": store.num_tokens,
+              "fallback": None if block is None else {"path": block.info["path"], "config": block.info["config"]}}
+    first = f"prompt lookup where the row's own >= {prompt_min_ngram}-gram recurs, else " if prompt_min_ngram else ""
+    last = "" if block is None else ", else the block drafter of config.fallback"
+    return EvalDrafter(drafter, {
+        "name": name,
+        "kind": "corpus_lookup",
+        "path": str(directory),
+        "config": config,
+        "num_parameters": 0 if block is None else block.info["num_parameters"],
+        "training_run": None if block is None else block.info["training_run"],
+        "description": f"{'baseline: ' if block is None else ''}{first}the most frequent continuation of the longest "
+                       f"{max_ngram}..{min_ngram}-gram in {len(sequences)} regenerated answers{last}, "
+                       f"K={num_draft_tokens}" + ("; no training" if block is None else ""),
+    })
