@@ -62,7 +62,7 @@ def test_evaluation_drafters_compose(choice):
         assert Path(cfg.drafter.path) == ROOT / "experiments" / "assets" / "ar_assistant"
         assert (Path(cfg.drafter.path) / "model.safetensors").is_file()
     main = _compose("main")
-    assert list(main.baselines) == ["prompt_lookup", "ar_assistant"]
+    assert list(main.baselines) == ["prompt_lookup", "ar_assistant", "corpus_lookup"]
 
 
 def test_unknown_group_option_is_a_clear_error():

@@ -20,10 +20,12 @@ def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch)
             (tmp_path / "report" / "report.md").write_text("table\n")
 
     monkeypatch.setattr(main_job, "stage", fake_stage)
+    (tmp_path / "train" / "uniform").mkdir(parents=True)  # what the training stage records
+    (tmp_path / "train" / "uniform" / "train_summary.json").write_text('{"data_dir": "cache/regen/tiny/abc"}')
     log = main_job.run_main_job(cfg)
     names = [c[0] for c in calls]
     assert names == ["regenerate", "train uniform", "evaluate uniform", "train l2r_all", "evaluate l2r_all",
-                     "evaluate prompt_lookup", "evaluate ar_assistant", "report"]
+                     "evaluate prompt_lookup", "evaluate ar_assistant", "evaluate corpus_lookup", "report"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
     evaluate_overrides = list(cfg.evaluate_overrides)
@@ -36,5 +38,18 @@ def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch)
     trained = [*evaluate_overrides, *cfg.trained_evaluate_overrides]
     assert by_name["evaluate uniform"][-len(trained) - 1:-1] == trained  # the trained drafters' own settings
     report_args = by_name["report"]
-    assert report_args[:4] == [str(tmp_path / "eval" / n) for n in ("uniform", "l2r_all", "prompt_lookup",
-                                                                   "ar_assistant")]
+    assert report_args[:5] == [str(tmp_path / "eval" / n) for n in ("uniform", "l2r_all", "prompt_lookup",
+                                                                   "ar_assistant", "corpus_lookup")]
+    corpus = by_name["evaluate corpus_lookup"]  # its store is the drafters' data folder
+    assert corpus[-len(evaluate_overrides) - 3:-len(evaluate_overrides) - 1] == [
+        "drafter=corpus_lookup", "drafter.data_dir=cache/regen/tiny/abc"]
+
+
+def test_a_baseline_that_needs_the_data_folder_without_training_is_refused(tmp_path, monkeypatch):
+    import pytest
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}", "target_choice=tiny", "losses=[]"])
+    monkeypatch.setattr(main_job, "stage", lambda name, module, overrides, log: None)
+    with pytest.raises(ValueError, match=r"baseline_overrides.corpus_lookup needs the drafters' data folder"):
+        main_job.run_main_job(cfg)

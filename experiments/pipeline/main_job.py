@@ -52,6 +52,23 @@ def portable_summary(log: dict, run_dir: Path) -> str:
     return text
 
 
+def trained_data_dir(run_dir: Path, losses) -> str | None:
+    """The regenerated data folder the main job's drafters trained on (their train_summary.json), if any."""
+    for loss in losses:
+        summary = run_dir / "train" / loss / "train_summary.json"
+        if summary.is_file():
+            return json.loads(summary.read_text())["data_dir"]
+    return None
+
+
+def baseline_overrides(overrides, baseline: str, data_dir: str | None) -> list[str]:
+    """``baseline_overrides.<baseline>`` with ``{data_dir}`` filled in; a clear error where it is unknown."""
+    if data_dir is None and any("{data_dir}" in o for o in overrides):
+        raise ValueError(f"baseline_overrides.{baseline} needs the drafters' data folder ({{data_dir}}), known from a "
+                         f"trained loss's train_summary.json: train at least one loss, or drop {baseline} from baselines")
+    return [o.replace("{data_dir}", str(data_dir)) for o in overrides]
+
+
 def run_main_job(cfg: DictConfig) -> dict:
     """Regenerate, train and evaluate each loss, evaluate the baselines, report (``conf/main.yaml``);
     returns the stage log written to ``<run dir>/main_summary.json``."""
@@ -75,9 +92,11 @@ def run_main_job(cfg: DictConfig) -> dict:
                                                            *cfg.evaluate_overrides, *cfg.trained_evaluate_overrides,
                                                            f"hydra.run.dir={eval_dir}"], log)
         eval_dirs.append(eval_dir)
+    data_dir = trained_data_dir(run_dir, cfg.losses)
     for baseline in cfg.baselines:
         eval_dir = run_dir / "eval" / baseline
-        stage(f"evaluate {baseline}", "experiments.evaluate", [*common, f"drafter={baseline}",
+        extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, data_dir)
+        stage(f"evaluate {baseline}", "experiments.evaluate", [*common, f"drafter={baseline}", *extra,
                                                                *cfg.evaluate_overrides, f"hydra.run.dir={eval_dir}"], log)
         eval_dirs.append(eval_dir)
     report_dir = run_dir / "report"
