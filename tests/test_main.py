@@ -53,3 +53,12 @@ def test_a_baseline_that_needs_the_data_folder_without_training_is_refused(tmp_p
     monkeypatch.setattr(main_job, "stage", lambda name, module, overrides, log: None)
     with pytest.raises(ValueError, match=r"baseline_overrides.corpus_lookup needs the drafters' data folder"):
         main_job.run_main_job(cfg)
+
+
+def test_main_summary_names_the_cache_not_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "cache"))
+    log = {"run_dir": str(tmp_path / "run"), "stages": [{"command": f"drafter.data_dir={tmp_path}/cache/regen/tiny/abc "
+                                                          f"hydra.run.dir={tmp_path}/run/eval/x"}]}
+    text = main_job.portable_summary(log, tmp_path / "run")
+    assert str(tmp_path) not in text
+    assert "drafter.data_dir=$BLOCKDRAFT_CACHE/regen/tiny/abc hydra.run.dir=eval/x" in text

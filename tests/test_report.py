@@ -301,13 +301,17 @@ def test_committed_paths_carry_no_machine_folder(tmp_path, monkeypatch):
     target = REPO / "experiments" / "assets" / "tiny_target"
     data = tmp_path / "cache" / "regen" / "tiny" / "abc"
     runs = tmp_path / "runs"
+    data.mkdir(parents=True)
+    (data / "regen.json").write_text("{}")  # a regenerated data folder
     report = {"configurations": [
         {"results_path": str(runs / "a" / "results.json"), "drafter_path": None,
          "training_run": {"target_path": str(target), "data_dir": str(data), "run_dir": str(runs / "a")}},
         {"results_path": str(runs / "b" / "results.json"), "drafter_path": str(runs / "b" / "drafter"),
-         "training_run": None}]}
-    assert make_paths_portable(report) == runs
-    first, second = report["configurations"]
+         "training_run": None},
+        {"results_path": str(runs / "c" / "results.json"), "drafter_path": str(data), "training_run": None}]}
+    assert make_paths_portable(report) == runs  # corpus_lookup's data folder (its drafter_path) is no run
+    first, second, third = report["configurations"]
+    assert third["drafter_path"] == "$BLOCKDRAFT_CACHE/regen/tiny/abc"
     assert first["training_run"] == {"target_path": "experiments/assets/tiny_target",
                                      "data_dir": "$BLOCKDRAFT_CACHE/regen/tiny/abc", "run_dir": "a"}
     assert (first["results_path"], second["drafter_path"]) == ("a/results.json", "b/drafter")

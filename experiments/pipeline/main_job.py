@@ -27,6 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.data.suites import cache_dir
 from experiments.pipeline.paths import REPO
 
 
@@ -44,12 +45,13 @@ def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
 
 
 def portable_summary(log: dict, run_dir: Path) -> str:
-    """main_summary.json's text with paths relative to the repository or to the job's run dir (``.``)."""
+    """main_summary.json's text with paths relative to the repository or to the job's run dir (``.``), and
+    regenerated data as ``$BLOCKDRAFT_CACHE/...``."""
     text = json.dumps(log, indent=1)
     for folder in (run_dir, REPO):  # the run dir first: it may lie inside the repository
         quoted = json.dumps(str(folder))[1:-1]
         text = text.replace(quoted + "/", "").replace(f'"{quoted}"', '"."')
-    return text
+    return text.replace(json.dumps(str(cache_dir().expanduser().resolve()))[1:-1] + "/", "$BLOCKDRAFT_CACHE/")
 
 
 def trained_data_dir(run_dir: Path, losses) -> str | None:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from drafters.data import META
 from experiments.pipeline.paths import REPO, cache_path, inside, portable_path
 from experiments.reporting.plots import (
     plot_accept_hist,
@@ -20,6 +21,11 @@ from experiments.reporting.stats import build_report, mean_curves, seed_view
 from experiments.reporting.tables import render_markdown
 
 
+def is_data_folder(path: str | Path) -> bool:
+    """A regenerated data folder (it holds ``regen.json``), e.g. the store of a ``corpus_lookup`` row."""
+    return (Path(os.path.expanduser(str(path))) / META).is_file()
+
+
 def runs_folder(configurations: Sequence[dict]) -> Path | None:
     """The folder holding every reported run outside the repository (a multirun's sweep dir, the main
     job's run dir): the deepest common parent of their run folders; None when all are in the repository."""
@@ -28,7 +34,7 @@ def runs_folder(configurations: Sequence[dict]) -> Path | None:
         training_run = c.get("training_run") or {}
         for path, is_file in ((c.get("results_path"), True), (c.get("drafter_path"), True),
                               (training_run.get("run_dir"), False)):
-            if path:
+            if path and not is_data_folder(path):  # corpus_lookup's drafter_path is its data folder, not a run
                 full = Path(os.path.expanduser(str(path))).resolve()
                 if not inside(full, REPO):
                     folders.append(full.parent if is_file else full)
@@ -43,7 +49,7 @@ def make_paths_portable(report: dict) -> Path | None:
     for c in report["configurations"]:
         for key in ("results_path", "drafter_path"):
             if c.get(key):
-                c[key] = portable_path(c[key], base)
+                c[key] = cache_path(c[key]) if is_data_folder(c[key]) else portable_path(c[key], base)
         training_run = dict(c.get("training_run") or {})
         if training_run.get("run_dir"):
             training_run["run_dir"] = portable_path(training_run["run_dir"], base)
