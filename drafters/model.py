@@ -687,15 +687,23 @@ class BlockDiffusionDrafter(nn.Module):
             raise ValueError(f"max_draft_tokens={self.max_draft_tokens}: must be in 1..K={self.num_draft_tokens} "
                              f"and at least follow_hint_after={self.follow_hint_after}")
         block = self._block_inputs(anchor_ids, anchor_position_ids)
-        if self.follow_hint_after == 0 and bool(self._copied_rows().any()):
-            return self._draft_with_copies(block, width, temperature, top_k, top_p, generator)
-        states = self._block_states(block)[:, :width]  # (B, W, H)
-        logits = self._head(states) if self.confidence_threshold is None else None  # (B, W, V)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
-        if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
-            follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
-        if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
-            logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
+        if self.follow_hint_after == 0 and bool(self._hint_rows().any()):
+            # Known before any pass: the drafter runs on the other rows only, all W slots (a copied hint is
+            # drafted whole); the copied rows' logits are placeholders, replaced by their hints below.
+            follow = self._hint_rows()
+            own = (~follow).nonzero().squeeze(1)  # (b,)
+            logits = torch.zeros(follow.shape[0], width, self.target.get_output_embeddings().out_features,
+                                 device=follow.device)  # (B, W, V) float32, as _head returns
+            if own.numel():
+                logits[own] = self._head(self._block_states(block, own)[:, :width])
+        else:
+            states = self._block_states(block)[:, :width]  # (B, W, H)
+            logits = self._head(states) if self.confidence_threshold is None else None  # (B, W, V)
+            if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
+                follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
+            if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
+                logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
         hints = self._block_hints[0][:, : logits.shape[1]] if follow is not None else None  # (B, W)
         if temperature == 0:
             tokens = logits.argmax(-1)
@@ -705,33 +713,15 @@ class BlockDiffusionDrafter(nn.Module):
             q = torch.where(follow[:, None, None], nn.functional.one_hot(hints, q.shape[-1]).to(q.dtype), q)
         return sample_tokens(q, generator), q  # (B, W): slot k drawn from q[:, k]
 
-    def _copied_rows(self) -> torch.Tensor:
-        """(B,) bool: under ``follow_hint_after = 0``, the rows whose hint is copied, known before any pass."""
+    def _hint_rows(self) -> torch.Tensor:
+        """(B,) bool: rows whose hint rests on an n-gram of at least ``follow_hint_min_ngram`` tokens (under
+        ``follow_hint_after = 0`` exactly the rows that copy it, known before any pass)."""
         return self._block_hints[1] >= max(1, self.follow_hint_min_ngram)
-
-    def _draft_with_copies(self, block: _Block, width: int, temperature: float, top_k, top_p, generator):
-        """:meth:`draft` when some rows copy their hint under ``follow_hint_after = 0``: the hint is their block
-        (all W slots; q the point mass on it), so the drafter's passes and head run on the other rows only."""
-        copied = self._copied_rows()  # (B,)
-        hints = self._block_hints[0][:, :width]  # (B, W)
-        own = (~copied).nonzero().squeeze(1)  # (b,) rows that draft their own block
-        logits = self._head(self._block_states(block, own)[:, :width]) if own.numel() else None  # (b, W, V)
-        if temperature == 0:
-            tokens = hints.clone()
-            if logits is not None:
-                tokens[own] = logits.argmax(-1)
-            return tokens, None
-        vocab = self.target.get_output_embeddings().out_features
-        q = nn.functional.one_hot(hints, vocab).float()  # (B, W, V)
-        if logits is not None:
-            q[own] = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-        return sample_tokens(q, generator), q  # (B, W)
 
     def _follows_hint(self, logits: torch.Tensor) -> torch.Tensor:
         """(B,) bool: rows whose block is the lookup hint under :attr:`follow_hint_after` (logits (B, >= m, V))."""
-        hints, ngram = self._block_hints
-        m = self.follow_hint_after
-        return (ngram >= max(1, self.follow_hint_min_ngram)) & (logits[:, :m].argmax(-1) == hints[:, :m]).all(-1)
+        hints, m = self._block_hints[0], self.follow_hint_after
+        return self._hint_rows() & (logits[:, :m].argmax(-1) == hints[:, :m]).all(-1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._require_cache()

@@ -221,7 +221,6 @@ class PromptLookupDrafter:
         return torch.stack(drafts).to(anchor_ids.device), None
 
 
-
 class NgramStore:
     """The most frequent next token after every n-gram (n = 1..``max_ngram``) of a corpus of token sequences.
 
@@ -273,6 +272,7 @@ class CorpusLookupDrafter(PromptLookupDrafter):
 
     def __init__(self, store: NgramStore, vocab_size: int, num_draft_tokens: int, min_ngram: int = 1,
                  prompt_min_ngram: int | None = 2, fallback: Drafter | None = None):
+        self.fallback = None  # set below; PromptLookupDrafter.__init__ resets
         super().__init__(vocab_size, num_draft_tokens, max_ngram=3, min_ngram=prompt_min_ngram or 1)
         if not 1 <= min_ngram <= store.max_ngram:
             raise ValueError(f"min_ngram must be in 1..{store.max_ngram} (the store's max_ngram), got {min_ngram}")
@@ -285,7 +285,7 @@ class CorpusLookupDrafter(PromptLookupDrafter):
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
-        if getattr(self, "fallback", None) is not None:
+        if self.fallback is not None:
             self.fallback.reset(batch_size)
 
     def extend(self, input_ids, attention_mask, position_ids=None, hidden_states=None) -> None:
@@ -328,6 +328,7 @@ class CorpusLookupDrafter(PromptLookupDrafter):
                 q = q.clone()
                 q[index] = torch.nn.functional.one_hot(tokens[index], q.shape[-1]).to(q.dtype)
         return tokens, q
+
 
 def lookup_start(seq: torch.Tensor, max_ngram: int, min_ngram: int = 1) -> int:
     """Where the copy starts in ``seq`` (L,): just after the latest occurrence of ``seq[-n:]`` that ends
