@@ -55,7 +55,7 @@ def select_blocks(
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
     anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], num_anchors, generator)
-    logits = drafter.forward_train(states, ids, None, anchors, amask, attn)  # (B,A,K,V)
+    logits = drafter.forward_train(states, ids, None, anchors, amask, attn, batch["prompt_len"])  # (B,A,K,V)
     labels, mask = drafter.block_labels(ids, anchors, amask, attn)  # (B, A, K)
     keep = mask.any(-1)  # (B, A)
     # Drop padding blocks; when there are none, flatten instead (indexing would copy the logits

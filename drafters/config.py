@@ -53,6 +53,12 @@ class DrafterConfig:
     # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
     lookup_hints: bool = False
     lookup_max_ngram: int = 3
+    # With lookup_hints: slots whose prompt-lookup hint rests on fewer than 2 tokens read instead what an
+    # n-gram store of the training answers continues (drafters/hints.py HintStore, corpus_lookup's rule), the
+    # store saved beside the drafter; in training a row reads the store of the other store_num_folds - 1
+    # folds of answers (never its own).
+    store_hints: bool = False
+    store_num_folds: int = 4
     # Refinement (self-conditioning): after the first pass, the block runs this many more times with the
     # previous pass's argmax drafts in slots 1..K instead of MASK / hints, and the last pass drafts. In
     # training, every other block is conditioned on a first pass's argmax (no gradient through it), so
@@ -99,6 +105,10 @@ class DrafterConfig:
             raise ValueError(f"refine_passes must be >= 0, got {self.refine_passes}")
         if self.lookup_max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {self.lookup_max_ngram}")
+        if self.store_hints and not self.lookup_hints:
+            raise ValueError("store_hints needs lookup_hints (the store fills the slots prompt lookup leaves weak)")
+        if self.store_num_folds < 2:
+            raise ValueError(f"store_num_folds must be >= 2 (a row's own answer is left out), got {self.store_num_folds}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"

@@ -9,11 +9,22 @@ to trust (a loop in the target's output is copied; elsewhere the hint is noise i
 
 The same function serves training (every anchor of a batch at once) and inference (one anchor per row
 after the committed tokens), so both see the same hints.
+
+With ``DrafterConfig.store_hints`` the slots whose prompt-lookup hint rests on fewer than two tokens read
+a :class:`HintStore`'s continuation instead: what ``corpus_lookup`` (:class:`verify.CorpusLookupDrafter`)
+would draft there from the target's own answers.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
+
+from verify.drafter import NgramStore
 
 
 def lookup_hints(
@@ -84,3 +95,87 @@ def compact_rows(ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> t
         out[r, : len(row)], real[r, : len(row)] = row, True
     anchors = torch.tensor([[len(r) - 1] for r in rows], device=ids.device)
     return out, real, anchors
+
+
+class HintStore:
+    """Retrieval hints: :class:`verify.NgramStore` continuations of the training answers, for block slots.
+
+    A training row must not read its own answer from the store (its hints would be its labels): the rows
+    fall into ``num_folds`` folds by a hash of their prompt (:func:`prompt_fold`), and in training a row
+    reads the store of the other folds' answers. Inference reads the store of every answer. The stores are
+    built on first use. Saved beside the drafter (:meth:`save`, :meth:`load`) as the answers themselves.
+    """
+
+    FILE = "hint_store.safetensors"
+
+    def __init__(self, rows: Sequence[tuple[Sequence[int], int]], num_folds: int = 4, max_ngram: int = 4):
+        if num_folds < 2:
+            raise ValueError(f"num_folds must be >= 2 (a row's own answer is left out of its store), got {num_folds}")
+        if not rows:
+            raise ValueError("a hint store needs at least one regenerated row")
+        self.rows = [(list(map(int, ids)), int(prompt_len)) for ids, prompt_len in rows]  # (input_ids, prompt_len)
+        self.num_folds, self.max_ngram = int(num_folds), int(max_ngram)
+        self._folds = [prompt_fold(ids[:n], self.num_folds) for ids, n in self.rows]
+        self._stores: dict[int | None, NgramStore] = {}
+
+    def store(self, fold: int | None = None) -> NgramStore:
+        """The store of every answer (``fold`` None) or of the answers outside ``fold``."""
+        if fold not in self._stores:
+            rows = [r for r, f in zip(self.rows, self._folds) if f != fold]
+            self._stores[fold] = NgramStore.from_answers(rows, self.max_ngram)
+        return self._stores[fold]
+
+    def hints(
+        self,
+        ids: torch.Tensor,  # (Bt, S) long; each row's real tokens up to its anchors are contiguous
+        anchors: torch.Tensor,  # (Bt, A) long
+        num_slots: int,  # K
+        need: torch.Tensor,  # (Bt, A) bool: the anchors to look up
+        folds: Sequence[int] | None = None,  # (Bt,) each row's fold (training), None = the store of every answer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hints (Bt, A, K) long, ngram (Bt, A) long)``: where ``need``, the store's continuation of the row's
+        tokens up to the anchor (:meth:`verify.NgramStore.continuation`), its last token repeated where the
+        store runs out; ``ngram`` is the suffix length its first token rests on (0: nothing held, hint 0)."""
+        hints = torch.zeros(*anchors.shape, num_slots, dtype=torch.long)
+        ngram = torch.zeros(anchors.shape, dtype=torch.long)
+        rows, cols = ids.tolist(), anchors.tolist()
+        for b, a in need.nonzero().tolist():
+            store = self.store(None if folds is None else int(folds[b]))
+            t = cols[b][a]
+            context = rows[b][max(0, t - self.max_ngram + 1) : t + 1]
+            tokens = store.continuation(context, num_slots)
+            if tokens:
+                hints[b, a] = torch.tensor(tokens + tokens[-1:] * (num_slots - len(tokens)))
+                ngram[b, a] = store.suffix_length(context)
+        return hints.to(ids.device), ngram.to(ids.device)
+
+    def folds(self, ids: torch.Tensor, prompt_len: torch.Tensor) -> list[int]:
+        """(Bt,) the fold of each row ``ids (Bt, S)`` with ``prompt_len (Bt,)`` prompt tokens."""
+        return [prompt_fold(row[:n], self.num_folds) for row, n in zip(ids.tolist(), prompt_len.tolist())]
+
+    def save(self, directory: str | Path) -> None:
+        """``hint_store.safetensors`` in ``directory``: the rows' tokens, lengths and prompt lengths."""
+        flat = torch.tensor([t for ids, _ in self.rows for t in ids], dtype=torch.long)
+        lengths = torch.tensor([len(ids) for ids, _ in self.rows], dtype=torch.long)
+        prompt_lens = torch.tensor([n for _, n in self.rows], dtype=torch.long)
+        save_file({"tokens": flat, "lengths": lengths, "prompt_lens": prompt_lens}, str(Path(directory) / self.FILE),
+                  metadata={"num_folds": str(self.num_folds), "max_ngram": str(self.max_ngram)})
+
+    @classmethod
+    def load(cls, directory: str | Path) -> HintStore:
+        from safetensors import safe_open
+
+        path = Path(directory) / cls.FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the drafter was trained with store_hints and reads its hints "
+                                    "from the answers saved there")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        t = load_file(str(path))
+        rows = zip(t["tokens"].split(t["lengths"].tolist()), t["prompt_lens"].tolist())
+        return cls([(ids.tolist(), n) for ids, n in rows], int(meta["num_folds"]), int(meta["max_ngram"]))
+
+
+def prompt_fold(prompt: Sequence[int], num_folds: int) -> int:
+    """The fold (0..num_folds-1) of a row with these prompt tokens: rows of one prompt share it."""
+    return zlib.crc32(",".join(map(str, prompt)).encode()) % num_folds

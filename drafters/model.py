@@ -55,7 +55,7 @@ from drafters.config import (
     target_fingerprint,
     target_sizes,
 )
-from drafters.hints import compact_rows, lookup_hints
+from drafters.hints import HintStore, compact_rows, lookup_hints
 from drafters.layers import DrafterLayer, RMSNorm, copy_target_layers, draft_layer, rope_cos_sin
 from verify.rejection import sample_tokens, warp_probs
 
@@ -75,6 +75,11 @@ class _Block(NamedTuple):
 
 # --------------------------------------------------------------------------------------------------
 # The drafter
+
+
+#: With ``store_hints``, slots whose prompt-lookup hint rests on fewer tokens than this read the store's instead
+#: (a hint from the anchor token alone is mostly wrong: ``experiments.bench.hints``).
+STORE_BELOW_NGRAM = 2
 
 
 class BlockDiffusionDrafter(nn.Module):
@@ -101,6 +106,9 @@ class BlockDiffusionDrafter(nn.Module):
         # Inference cache: per layer (k, v) of shape (B, h_kv, C, d), and the column mask (B, C).
         self._cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._cache_mask: torch.Tensor | None = None
+        #: With ``config.store_hints``: the training answers the weak slots' hints are retrieved from (set by
+        #: training, saved and loaded beside the weights).
+        self.hint_store: HintStore | None = None
 
     # ---- protocol attributes --------------------------------------------------------------------
 
@@ -257,6 +265,8 @@ class BlockDiffusionDrafter(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_NAME))
         (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        if self.hint_store is not None:
+            self.hint_store.save(directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None) -> BlockDiffusionDrafter:
@@ -284,6 +294,8 @@ class BlockDiffusionDrafter(nn.Module):
         config = DrafterConfig.from_dict(raw)
         drafter = cls(config)
         drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
+        if config.store_hints:
+            drafter.hint_store = HintStore.load(directory)
         if target is not None:
             drafter.attach_target(target)
         return drafter.eval()
@@ -322,20 +334,28 @@ class BlockDiffusionDrafter(nn.Module):
         """The block positions whose outputs are the K drafts: 1..B-1 (DFlash), or 0..B-2 when shifted."""
         return slice(0, -1) if self.config.shifted else slice(1, None)
 
-    def slot_ids(self, ids: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def slot_ids(self, ids: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor,
+                 folds: Sequence[int] | None = None) -> torch.Tensor:
         """Input tokens (Bt, A, K) of block slots 1..K: MASK, or with ``lookup_hints`` the prompt-lookup
-        continuation of ``ids[:, :anchor + 1]`` where one exists (:func:`drafters.hints.lookup_hints`).
-        ids: (Bt, S) long; mask: (Bt, S) bool real tokens; anchors: (Bt, A) long columns."""
+        continuation of ``ids[:, :anchor + 1]`` where one exists (:func:`drafters.hints.lookup_hints`), and with
+        ``store_hints`` the hint store's where that rests on fewer than 2 tokens. ids: (Bt, S) long; mask:
+        (Bt, S) bool real tokens; anchors: (Bt, A) long columns; folds: (Bt,) the rows' hint-store folds."""
         cfg = self.config
         if not cfg.lookup_hints:
             return anchors.new_full((*anchors.shape, cfg.num_draft_tokens), cfg.mask_token_id)
-        return self._hinted_slots(ids, mask, anchors)[0]
+        return self._hinted_slots(ids, mask, anchors, folds)[0]
 
-    def _hinted_slots(self, ids, mask, anchors) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hinted_slots(self, ids, mask, anchors, folds=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slot ids (Bt, A, K), ngram (Bt, A))``: the hints, MASK where no n-gram matched (ngram 0), and
-        the length of the n-gram each rests on."""
+        the length of the n-gram each rests on (of the row's own tokens, or of the store's answers)."""
         cfg = self.config
         hints, ngram = lookup_hints(ids, mask, anchors, cfg.num_draft_tokens, cfg.lookup_max_ngram)
+        if cfg.store_hints:
+            if self.hint_store is None:
+                raise ValueError("store_hints: this drafter has no hint_store (training sets it from the data; "
+                                 "from_pretrained loads it from the drafter's folder)")
+            stored, n = self.hint_store.hints(ids, anchors, cfg.num_draft_tokens, ngram < STORE_BELOW_NGRAM, folds)
+            hints, ngram = torch.where((n > 0).unsqueeze(-1), stored, hints), torch.where(n > 0, n, ngram)
         return hints.masked_fill(ngram.unsqueeze(-1) == 0, cfg.mask_token_id), ngram
 
     def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None) -> torch.Tensor:
@@ -383,8 +403,12 @@ class BlockDiffusionDrafter(nn.Module):
         anchors: torch.Tensor,  # (Bt, A) long column indices
         anchor_mask: torch.Tensor | None = None,  # (Bt, A) bool, False = padding anchor
         context_mask: torch.Tensor | None = None,  # (Bt, S) bool/long, False = padding column
+        prompt_len: torch.Tensor | None = None,  # (Bt,) long; with store_hints in training mode, required
     ) -> torch.Tensor:
-        """Teacher-forced logits (Bt, A, K, V); block a's slot k predicts ``input_ids[:, anchors[a] + k]``."""
+        """Teacher-forced logits (Bt, A, K, V); block a's slot k predicts ``input_ids[:, anchors[a] + k]``.
+
+        With ``store_hints``, in training mode each row reads the hint store without its own answer (its fold
+        is found from its prompt, ``prompt_len``); in eval mode every row reads the whole store, as inference."""
         cached = isinstance(hidden_states, torch.Tensor)
         states = hidden_states if cached else self.select_hidden_states(hidden_states)
         bt, seq = input_ids.shape
@@ -402,8 +426,14 @@ class BlockDiffusionDrafter(nn.Module):
         cols = anchors.clamp(0, seq - 1)  # padding anchors may hold any index
         mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask)
         real = context_mask if context_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        folds = None
+        if self.config.store_hints and self.training:
+            if prompt_len is None or self.hint_store is None:
+                raise ValueError("store_hints in training needs prompt_len (a row must not read its own answer "
+                                 "from the hint store) and a hint_store")
+            folds = self.hint_store.folds(input_ids, prompt_len)
         return self.refined_block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask,
-                                         self.slot_ids(input_ids, real, cols))
+                                         self.slot_ids(input_ids, real, cols, folds))
 
     def refined_block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids) -> torch.Tensor:
         """:meth:`block_logits` (Bt, A, K, V) under ``config.refine_passes`` = r (0: one pass on ``slot_ids``).

@@ -153,7 +153,7 @@ def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
     report = hydra_cfg.callbacks.report
     assert str(hydra_cfg.mode) == "RunMode.MULTIRUN"
     assert report._target_ == "experiments.reporting.callback.MultirunReport"
-    assert list(report.baselines) == ["prompt_lookup", "ar_assistant"]
+    assert list(report.baselines) == ["prompt_lookup", "ar_assistant", "corpus_lookup"]
     sweep = experiment.startswith("l2r_sweep")
     assert report.baseline == (None if sweep else "uniform") and report.get("name_by_dir", False) == sweep
 

@@ -263,3 +263,104 @@ def test_follow_hint_min_ngram_keeps_greedy_identity(threshold):
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
     assert torch.equal(out.sequences, ref) and torch.equal(plain.sequences, ref)
     assert out.accepted_counts != plain.accepted_counts  # some hint was copied
+
+
+# ---- store hints: the weak slots read an n-gram store of the training answers -------------------------
+
+
+def _rows_in_two_folds():
+    """Two regenerated rows (input_ids, prompt_len) whose prompts fall in different folds of 2."""
+    from drafters.hints import prompt_fold
+
+    prompts = [[2, 3, p] for p in range(4, 40)]
+    first = prompts[0]
+    second = next(p for p in prompts if prompt_fold(p, 2) != prompt_fold(first, 2))
+    return [(first + [50, 51, 52, 53, 54], 3), (second + [60, 61, 62, 63, 64], 3)]
+
+
+def test_hint_store_leaves_each_rows_own_answer_out_in_training():
+    """A row of fold f reads the store of the other folds' answers (never its own); inference (folds None)
+    reads every answer. The hint is the store's continuation, its last token repeated, and ngram the
+    length of the suffix it rests on."""
+    from drafters.hints import HintStore
+
+    rows = _rows_in_two_folds()
+    store = HintStore(rows, num_folds=2)
+    ids = torch.tensor([rows[0][0][:4], rows[1][0][:4]])  # each row up to its first answer token
+    anchors, need = torch.tensor([[3], [3]]), torch.ones(2, 1, dtype=torch.bool)
+    folds = store.folds(ids, torch.tensor([3, 3]))
+    assert folds[0] != folds[1]
+    hints, ngram = store.hints(ids, anchors, 6, need)
+    assert hints[:, 0].tolist() == [[51, 52, 53, 54, 54, 54], [61, 62, 63, 64, 64, 64]]
+    assert ngram[:, 0].tolist() == [4, 4]  # "2 3 p 50" is held: the longest suffix (max_ngram 4)
+    _, own = store.hints(ids, anchors, 6, need, folds)
+    assert own[:, 0].tolist() == [0, 0]  # "50" / "60" only occur in the row's own answer
+    # rows of another prompt reaching "50" and "60", in the other row's fold: each reads the answer it reaches
+    crossed = torch.tensor([[2, 3, 9, 9, 50], [2, 3, 9, 9, 60]])
+    hints, ngram = store.hints(crossed, torch.tensor([[4], [4]]), 3, need, [folds[1], folds[0]])
+    assert hints[:, 0].tolist() == [[51, 52, 53], [61, 62, 63]] and ngram[:, 0].tolist() == [1, 1]
+    assert store.hints(ids, anchors, 6, torch.zeros(2, 1, dtype=torch.bool))[1].tolist() == [[0], [0]]  # need
+
+
+def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path):
+    """store_hints: a slot whose prompt-lookup hint rests on >= 2 tokens keeps it; one on 1 token or none reads
+    the store's continuation; the store is saved and loaded with the drafter; training needs prompt_len."""
+    from drafters import BlockDiffusionDrafter
+    from drafters.hints import HintStore
+
+    target = build_target("llama")
+    torch.manual_seed(1)
+    drafter = build_drafter(target, "hinted", block_size=5, store_hints=True)
+    drafter.hint_store = HintStore([([7, 8, 9, 20, 21, 22, 23, 24], 3), ([7, 8, 6, 30, 31, 32, 33, 34], 3)])
+    ones = lambda ids: torch.ones_like(ids, dtype=torch.bool)  # noqa: E731
+    two = torch.tensor([[10, 11, 12, 13, 20, 10, 11]])  # "10 11" recurs: prompt lookup's 12 13 20 10 stays
+    one = torch.tensor([[10, 11, 12, 13, 20, 21, 11, 20]])  # "20" recurs alone: the store's 21 22 23 24
+    none = torch.tensor([[40, 41, 30]])  # nothing recurs: the store's 31 32 33 34
+    unknown = torch.tensor([[40, 41, 42]])  # nothing anywhere: MASK
+    mask_id = drafter.config.mask_token_id
+    expected = [[12, 13, 20, 10], [21, 22, 23, 24], [31, 32, 33, 34], [mask_id] * 4]
+    for ids, want in zip([two, one, none, unknown], expected):
+        assert drafter.slot_ids(ids, ones(ids), torch.tensor([[ids.shape[1] - 1]])).tolist() == [[want]]
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert loaded.hint_store.rows == drafter.hint_store.rows and loaded.config.store_hints
+    assert loaded.slot_ids(one, ones(one), torch.tensor([[7]])).tolist() == [[expected[1]]]
+    states = _run_target(target, one)
+    drafter.train()
+    with pytest.raises(ValueError, match="prompt_len"):
+        drafter.forward_train(states, one, None, torch.tensor([[7]]))
+    (tmp_path / "d" / "hint_store.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="hint_store.safetensors"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "d")
+
+
+def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
+    """A store holding the target's greedy answer to a prompt: with follow_hint_after = 0 the drafter copies
+    the store's continuation and accepts whole blocks; the output is still exactly the target's greedy."""
+    from drafters.hints import HintStore
+
+    target = tiny_target("llama", vocab_size=64)
+    torch.manual_seed(7)
+    prompts, mask = left_padded_prompts([6, 9], 64, seed=5)
+    ref = target.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    answer = ref[1, prompts.shape[1]:].tolist()  # row 1's greedy answer (its prompt is unpadded)
+    drafter = build_drafter(target, "hinted", block_size=5, store_hints=True)
+    drafter.hint_store = HintStore([(prompts[1].tolist() + answer, prompts.shape[1]), ([3, 4, 5, 6], 2)])
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    out = speculative_generate(target, drafter, prompts, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(out.sequences, ref)
+    assert max(out.accept_histogram[4:]) > 0  # a whole block of the stored answer was accepted
+
+
+def test_store_hints_keep_the_target_distribution():
+    """Chi-square at T = 1: a drafter copying store hints (one-hot q) where they rest on >= 2 tokens."""
+    from drafters.hints import HintStore
+
+    target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
+    torch.manual_seed(3)
+    drafter = build_drafter(target, "hinted", block_size=4, store_hints=True)
+    drafter.hint_store = HintStore([([1, 2, 5, 3, 6, 2, 4, 7, 1, 6], 2), ([4, 4, 3, 6, 5, 0, 2], 2)])
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    pvalue, accepted = sampled_continuations_pvalue(target, drafter, [7, 5, 3, 6], 3, 60, 40)
+    assert accepted > 0
+    assert pvalue > 1e-3

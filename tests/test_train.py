@@ -160,7 +160,11 @@ def test_train_with_wandb_offline(env):
     run_main(train, [*env["base"], "logger=wandb", "name=wb", "train.max_steps=2", "train.val_every=2"])
     run_dir = env["root"] / "runs" / "train" / "wb"
     assert list((run_dir / "wandb").glob("offline-run-*"))
-    assert json.loads((run_dir / "train_summary.json").read_text())["steps"] == 2
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["steps"] == 2
+    assert cfg.store_hints == store_hints and (run_dir / "drafter" / "hint_store.safetensors").is_file() == store_hints
+    if store_hints:  # the training rows' answers, never the validation rows'
+        assert len(drafter.hint_store.rows) == summary["train_rows"]
 
 
 @pytest.mark.parametrize("override, error", [
@@ -212,15 +216,19 @@ def test_train_then_evaluate(env):
     assert results["results"]["humaneval"]["t0"]["tau"] >= 1.0
 
 
-def test_hinted_drafter_trains_and_evaluates(env):
+@pytest.mark.parametrize("store_hints", [False, True])
+def test_hinted_drafter_trains_and_evaluates(env, store_hints):
     """drafter=hinted (the main job's: layerwise + lookup hints) through the whole pipeline: its layers start
     as the target's, it trains, saves, reloads with its design, and drafts through the exact verifier (T=0
-    output = the target's greedy)."""
-    run_main(train, [*env["base"], "drafter=hinted", "name=lw", "train.max_steps=2", "train.val_every=2",
+    output = the target's greedy). With store_hints, the store of the training rows' answers is saved beside
+    it and reloaded."""
+    name = f"lw_store{int(store_hints)}"
+    run_main(train, [*env["base"], "drafter=hinted", f"drafter.store_hints={store_hints}", f"name={name}",
+                     "train.max_steps=2", "train.val_every=2",
                      "evaluate.enabled=true", "suite=humaneval", "suite.humaneval.limit=2",
                      "evaluate.temperatures=[0.0]", "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10",
                      "evaluate.measure_target_only=true", "evaluate.progress=false"])
-    run_dir = env["root"] / "runs" / "train" / "lw"
+    run_dir = env["root"] / "runs" / "train" / name
     from experiments.data.target import load_target
 
     target, _ = load_target(str(env["target"]))
@@ -228,20 +236,25 @@ def test_hinted_drafter_trains_and_evaluates(env):
     cfg = drafter.config
     assert (cfg.layerwise_context, cfg.shifted, cfg.num_layers, cfg.target_layer_ids) == (True, True, 2, (0, 1))
     assert (cfg.lookup_hints, cfg.lookup_max_ngram) == (True, 3)
-    assert json.loads((run_dir / "train_summary.json").read_text())["steps"] == 2
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["steps"] == 2
+    assert cfg.store_hints == store_hints and (run_dir / "drafter" / "hint_store.safetensors").is_file() == store_hints
+    if store_hints:  # the training rows' answers, never the validation rows'
+        assert len(drafter.hint_store.rows) == summary["train_rows"]
     entry = json.loads((run_dir / "results.json").read_text())["results"]["humaneval"]["t0"]
     assert entry["tau"] >= 1.0 and entry["greedy_match"] == 1.0
 
 
 def test_multirun_report_evaluates_the_baselines(env):
-    """A multirun with MultirunReport(baselines=[prompt_lookup]): the baseline is evaluated once with the
-    jobs' suites and settings, and the report has its row after the trained configuration's."""
+    """A multirun with MultirunReport(baselines=[prompt_lookup, corpus_lookup]): the baselines are evaluated once
+    with the jobs' suites and settings (corpus_lookup over the jobs' data folder), and the report has their
+    rows after the trained configuration's."""
     sweep = env["root"] / "multirun_baselines"
     settings = ["suite=humaneval", "suite.humaneval.limit=2", "evaluate.temperatures=[0.0]",
                 "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10", "evaluate.measure_target_only=false",
                 "evaluate.progress=false"]
     callback = ["+hydra.callbacks.report._target_=experiments.reporting.callback.MultirunReport",
-                "+hydra.callbacks.report.num_bootstrap=10", "+hydra.callbacks.report.baselines=[prompt_lookup]"]
+                "+hydra.callbacks.report.num_bootstrap=10", "+hydra.callbacks.report.baselines=[prompt_lookup,corpus_lookup]"]
     run_main(train, ["-m", *env["base"], "loss=uniform", "train.max_steps=2", "train.val_every=2",
                      "evaluate.enabled=true", *settings, *callback, f"hydra.sweep.dir={sweep}"])
     baseline = json.loads((sweep / "baselines" / "prompt_lookup" / "results.json").read_text())
@@ -250,4 +263,7 @@ def test_multirun_report_evaluates_the_baselines(env):
     assert baseline["suites"] == trained["suites"] and baseline["settings"] == trained["settings"]
     assert baseline["results"]["humaneval"]["t0"]["num_prompts"] == 2
     report = json.loads((sweep / "report" / "report.json").read_text())
-    assert [c["name"] for c in report["configurations"]] == ["uniform", "prompt_lookup"]
+    assert [c["name"] for c in report["configurations"]] == ["uniform", "prompt_lookup", "corpus_lookup"]
+    corpus = json.loads((sweep / "baselines" / "corpus_lookup" / "results.json").read_text())
+    data_dir = json.loads(next(sweep.rglob("train_summary.json")).read_text())["data_dir"]
+    assert corpus["drafter"]["kind"] == "corpus_lookup" and corpus["drafter"]["path"] == data_dir

@@ -242,6 +242,20 @@ class NgramStore:
                     counts[n - 1][tuple(seq[i - n : i])][seq[i]] += 1
         self._next = [{key: c.most_common(1)[0][0] for key, c in table.items()} for table in counts]
 
+    @classmethod
+    def from_answers(cls, rows: Iterable[tuple[Sequence[int], int]], max_ngram: int = 4) -> NgramStore:
+        """The store of regenerated rows ``(input_ids, prompt_len)``: each answer with the last ``max_ngram - 1``
+        tokens of its prompt (the assistant cue), so the answer's first tokens are stored after that cue too."""
+        return cls((ids[max(0, prompt_len - max_ngram + 1):] for ids, prompt_len in rows), max_ngram)
+
+    def suffix_length(self, seq: Sequence[int], min_ngram: int = 1) -> int:
+        """The length n (``max_ngram`` down to ``min_ngram``) of the longest suffix of ``seq`` the store holds a
+        next token for: what :meth:`continuation`'s first token rests on; 0 where none is held."""
+        for n in range(min(self.max_ngram, len(seq)), min_ngram - 1, -1):
+            if tuple(seq[-n:]) in self._next[n - 1]:
+                return n
+        return 0
+
     def continuation(self, seq: Sequence[int], k: int, min_ngram: int = 1) -> list[int]:
         """Up to ``k`` tokens after ``seq``, one at a time: the next token of the longest suffix of (at most
         ``max_ngram``, at least ``min_ngram`` tokens) that the store holds; stops where none is held."""

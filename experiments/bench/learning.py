@@ -137,7 +137,8 @@ def train(args, target, train_rows, val_rows) -> list[dict]:
             order += torch.randperm(len(train_rows), generator=generator).tolist()
         b = collate([train_rows[order.pop()] for _ in range(args.batch_size)])
         anchors, amask = sample_anchors(b["prompt_len"], b["length"], args.num_anchors, generator)
-        logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"])
+        logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"],
+                                       b["prompt_len"])
         labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])
         if args.loss_slots:  # train on the first N slots only
             mask = mask & (torch.arange(mask.shape[-1]) < args.loss_slots)

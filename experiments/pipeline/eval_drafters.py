@@ -181,13 +181,13 @@ def corpus_lookup(target, data_dir: str, num_draft_tokens: int = 15, max_ngram: 
     ``fallback``: :func:`block_drafter`'s arguments (``path`` and its settings): that drafter drafts the rows
     whose last ``min_ngram`` tokens the store never saw."""
     directory = _existing_dir(data_dir, "a regenerated data folder (experiments.regenerate prints it)", "drafter.data_dir")
-    sequences = [row["input_ids"][max(0, row["prompt_len"] - max_ngram + 1):] for row in load_regenerated(directory)]
-    store = NgramStore(sequences, max_ngram)
+    data = load_regenerated(directory)
+    store = NgramStore.from_answers(zip(data["input_ids"], data["prompt_len"]), max_ngram)
     block = None if fallback is None else block_drafter(target, **fallback)
     drafter = CorpusLookupDrafter(store, output_vocab_size(target), num_draft_tokens, min_ngram, prompt_min_ngram,
                                   fallback=None if block is None else block.drafter)
     config = {"num_draft_tokens": num_draft_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
-              "prompt_min_ngram": prompt_min_ngram, "answers": len(sequences), "store_tokens": store.num_tokens,
+              "prompt_min_ngram": prompt_min_ngram, "answers": len(data), "store_tokens": store.num_tokens,
               "fallback": None if block is None else {"path": block.info["path"], "config": block.info["config"]}}
     first = f"prompt lookup where the row's own >= {prompt_min_ngram}-gram recurs, else " if prompt_min_ngram else ""
     last = "" if block is None else ", else the block drafter of config.fallback"
@@ -199,6 +199,6 @@ def corpus_lookup(target, data_dir: str, num_draft_tokens: int = 15, max_ngram: 
         "num_parameters": 0 if block is None else block.info["num_parameters"],
         "training_run": None if block is None else block.info["training_run"],
         "description": f"{'baseline: ' if block is None else ''}{first}the most frequent continuation of the longest "
-                       f"{max_ngram}..{min_ngram}-gram in {len(sequences)} regenerated answers{last}, "
+                       f"{max_ngram}..{min_ngram}-gram in {len(data)} regenerated answers{last}, "
                        f"K={num_draft_tokens}" + ("; no training" if block is None else ""),
     })

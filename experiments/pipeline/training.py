@@ -42,6 +42,7 @@ from drafters import data as regen
 from drafters import locks
 from drafters.features import ensure_features
 from drafters.features import features_dir as features_folder
+from drafters.hints import HintStore
 from drafters.model import DrafterConfig, target_fingerprint
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import evaluate_training_run
@@ -63,13 +64,24 @@ def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
         warnings.warn(f"the target files at {target_path} changed since {data_dir} was regenerated", stacklevel=2)
 
 
-def export_drafter(checkpoint: Path, drafter_class, out_dir: Path) -> None:
-    """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it."""
+def export_drafter(checkpoint: Path, drafter_class, out_dir: Path, hint_store=None) -> None:
+    """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it, with the
+    training run's ``hint_store`` (:class:`drafters.hints.HintStore`) if it drafts with one."""
     ckpt = locks.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     drafter = drafter_class(DrafterConfig.from_dict(ckpt["drafter_config"]))
     drafter.load_state_dict(state, strict=True)
+    drafter.hint_store = hint_store
     drafter.save_pretrained(out_dir)
+
+
+def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
+    """With ``store_hints``: the drafter's :class:`drafters.hints.HintStore` of the training rows' answers (the
+    validation rows stay out of it, as unseen prompts are at inference)."""
+    if not drafter.config.store_hints:
+        return
+    ids, prompt_lens = (train_set.data.data.column(c).to_pylist() for c in ("input_ids", "prompt_len"))
+    drafter.hint_store = HintStore([(ids[i], prompt_lens[i]) for i in train_set.indices], drafter.config.store_num_folds)
 
 
 def build(cfg: DictConfig):
@@ -241,12 +253,14 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         ensure_data(cfg)  # a fresh machine: the data first (cached for later runs)
     _, _, module, datamodule = build(cfg)
     datamodule.setup("fit")  # fails early on an empty or missing dataset
+    attach_hint_store(module.drafter, datamodule.train_set)
     if _rank_zero():
         locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
         return {}
-    export_drafter(run_dir / "checkpoints" / "last.ckpt", type(module.drafter), run_dir / "drafter")
+    export_drafter(run_dir / "checkpoints" / "last.ckpt", type(module.drafter), run_dir / "drafter",
+                   module.drafter.hint_store)
     summary = _summary(cfg, trainer, module, datamodule, saved, seconds)
     (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"[train] {trainer.global_step} steps in {seconds:.0f} s; val {json.dumps(summary['val'])}; "

@@ -23,7 +23,8 @@ class MultirunReport(Callback):
     ``baseline``: the configuration the gains are measured against (e.g. ``uniform``).
     ``baselines``: untrained drafters (``conf/eval/drafter/`` choices, e.g. ``prompt_lookup``,
     ``ar_assistant``) evaluated first with the jobs' target, suites and ``evaluate`` settings into
-    ``<sweep dir>/baselines/<name>``, and reported as the last rows. They are evaluated once per sweep
+    ``<sweep dir>/baselines/<name>``, and reported as the last rows (``corpus_lookup`` reads the jobs' data
+    folder, ``data.data_dir``). They are evaluated once per sweep
     dir (a later multirun into it reuses them) with ``baseline_seed`` (T > 0 sampling), whatever the jobs'
     seeds, so the rows of a multi-seed ablation run in several multiruns are one evaluation; multiruns
     ending together into one sweep dir evaluate them one after the other.
@@ -48,7 +49,10 @@ class MultirunReport(Callback):
         with locks.hold(folder, "baseline evaluations", wait=True):  # multiruns ending together: one at a time
             for name in self.baselines:
                 print(f"[report] baseline {name}: evaluating into {folder / name}", flush=True)
-                evaluate_like_training(config, drafter_config(name), folder / name, seed=self.baseline_seed)
+                drafter = drafter_config(name)
+                if "data_dir" in drafter:  # retrieval (corpus_lookup): the answers the jobs trained on
+                    drafter["data_dir"] = OmegaConf.select(config, "data.data_dir")
+                evaluate_like_training(config, drafter, folder / name, seed=self.baseline_seed)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
