@@ -312,7 +312,7 @@ def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path
     torch.manual_seed(1)
     drafter = build_drafter(target, "hinted", block_size=5, store_hints=True)
     drafter.hint_store = HintStore([([7, 8, 9, 20, 21, 22, 23, 24], 3), ([7, 8, 6, 30, 31, 32, 33, 34], 3)])
-    ones = lambda ids: torch.ones_like(ids, dtype=torch.bool)  # noqa: E731
+    ones = lambda ids: torch.ones_like(ids, dtype=torch.bool)
     two = torch.tensor([[10, 11, 12, 13, 20, 10, 11]])  # "10 11" recurs: prompt lookup's 12 13 20 10 stays
     one = torch.tensor([[10, 11, 12, 13, 20, 21, 11, 20]])  # "20" recurs alone: the store's 21 22 23 24
     none = torch.tensor([[40, 41, 30]])  # nothing recurs: the store's 31 32 33 34

@@ -160,11 +160,7 @@ def test_train_with_wandb_offline(env):
     run_main(train, [*env["base"], "logger=wandb", "name=wb", "train.max_steps=2", "train.val_every=2"])
     run_dir = env["root"] / "runs" / "train" / "wb"
     assert list((run_dir / "wandb").glob("offline-run-*"))
-    summary = json.loads((run_dir / "train_summary.json").read_text())
-    assert summary["steps"] == 2
-    assert cfg.store_hints == store_hints and (run_dir / "drafter" / "hint_store.safetensors").is_file() == store_hints
-    if store_hints:  # the training rows' answers, never the validation rows'
-        assert len(drafter.hint_store.rows) == summary["train_rows"]
+    assert json.loads((run_dir / "train_summary.json").read_text())["steps"] == 2
 
 
 @pytest.mark.parametrize("override, error", [
