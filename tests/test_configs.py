@@ -138,14 +138,14 @@ def _regime(cfg) -> dict:
 
 
 @pytest.mark.parametrize("experiment", ["l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma", "layerwise",
-                                        "hinted"])
+                                        "hinted", "hinted_store"])
 def test_sweeps_share_the_ablations_regime(experiment):
     ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
     assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
 
 
-@pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "l2r_sweep_chain",
-                                        "l2r_sweep_focal", "l2r_sweep_gamma"])
+@pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "hinted_store",
+                                        "l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma"])
 def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
     """conf/regime/ablation.yaml makes each of its experiments a multirun whose report carries the untrained
     baselines; the sweeps name rows by run dir and show no gain column."""
@@ -165,8 +165,9 @@ def test_the_ablations_regime_is_the_main_jobs():
     ablation = _compose("train", ["experiment=l2r_ablation"])
     for key in ("data", "train.max_steps", "optimizer", "scheduler"):
         assert _regime(trained)[key] == _regime(ablation)[key], key
-    hinted = _compose("train", ["experiment=hinted"])
-    assert trained.drafter == hinted.drafter  # experiment=hinted is the main job's drafter at the regime
+    hinted = _compose("train", ["experiment=hinted_store"])
+    assert trained.drafter == hinted.drafter  # experiment=hinted_store is the main job's drafter at the regime
+    assert trained.drafter.store_hints
     evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
     limits = {name: suite.limit for name, suite in evaluated.suite.items()}
     assert limits == {name: suite.limit for name, suite in ablation.suite.items()}
