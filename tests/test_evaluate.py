@@ -377,3 +377,30 @@ def test_block_drafter_confidence_threshold(assets):
     k = plain.drafter.num_draft_tokens
     with pytest.raises(ValueError, match=rf"drafter.max_draft_tokens={k + 1}: must be in 1..{k}"):
         block_drafter(target, str(assets / "drafter"), max_draft_tokens=k + 1)
+
+
+def test_block_drafter_hint_data_dir(assets, tmp_path):
+    """drafter.hint_data_dir: a store-hints drafter reads its hints from every answer of another data folder
+    (recorded in results.json's config); a drafter without store hints, or a missing folder, is named."""
+    from drafters.data import write_shard
+    from drafters.hints import HintStore
+    from experiments.data.target import load_target
+    from experiments.pipeline.eval_drafters import block_drafter
+
+    target, _ = load_target(str(assets / "target"))
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=K + 1, lookup_hints=True, store_hints=True)
+    drafter.hint_store = HintStore([([5, 6, 7, 8], 2)])
+    drafter.save_pretrained(tmp_path / "store_drafter")
+    rows = [([1, 2, 10 + i, 11 + i, 12 + i], 2) for i in range(3)]
+    write_shard([{"id": f"r{i}", "domain": "code", "input_ids": ids, "prompt_len": n} for i, (ids, n) in enumerate(rows)],
+                tmp_path / "regen")
+    saved = block_drafter(target, str(tmp_path / "store_drafter"))
+    assert saved.drafter.hint_store.rows == [([5, 6, 7, 8], 2)] and saved.info["config"]["hint_store_answers"] == 1
+    bigger = block_drafter(target, str(tmp_path / "store_drafter"), hint_data_dir=str(tmp_path / "regen"))
+    assert bigger.drafter.hint_store.rows == [(list(ids), n) for ids, n in rows]
+    assert bigger.info["config"]["hint_store_answers"] == 3
+    assert bigger.info["config"]["hint_data_dir"] == str(tmp_path / "regen")
+    with pytest.raises(ValueError, match="drafter.hint_data_dir=.*not trained with store_hints"):
+        block_drafter(target, str(assets / "drafter"), hint_data_dir=str(tmp_path / "regen"))
+    with pytest.raises(FileNotFoundError, match="drafter.hint_data_dir=.*no such directory"):
+        block_drafter(target, str(tmp_path / "store_drafter"), hint_data_dir=str(tmp_path / "missing"))

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 import conf
 from drafters.data import load_regenerated
+from drafters.hints import HintStore
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import BlockDiffusionDrafter
 from experiments.pipeline.records import training_run_info
@@ -63,7 +64,8 @@ def _existing_dir(path: str | Path, what: str, key: str = "drafter.path") -> Pat
 
 def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
-                  refine_passes: int | None = None, max_draft_tokens: int | None = None) -> EvalDrafter:
+                  refine_passes: int | None = None, max_draft_tokens: int | None = None,
+                  hint_data_dir: str | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -75,6 +77,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     ``refine_passes``: replaces the saved drafter's ``config.refine_passes`` (passes with its own argmax
     in the block slots; None = as trained). ``max_draft_tokens``: verify only the first W of the K drafted
     slots in every step (:attr:`BlockDiffusionDrafter.max_draft_tokens`; exact; None = all K).
+    ``hint_data_dir``: drafters trained with ``store_hints`` read their hints from every answer of this
+    regenerated data folder instead of the store saved with them (None = the saved store).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
@@ -103,11 +107,14 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
         drafter.config.refine_passes = refine_passes
+    if hint_data_dir is not None:
+        _replace_hint_store(drafter, hint_data_dir, path)
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
     drafter.follow_hint_min_ngram, drafter.max_draft_tokens = follow_hint_min_ngram, max_draft_tokens
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
-                "max_draft_tokens": max_draft_tokens}
+                "max_draft_tokens": max_draft_tokens, "hint_data_dir": hint_data_dir,
+                "hint_store_answers": len(drafter.hint_store.rows) if drafter.hint_store is not None else None}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
     return EvalDrafter(drafter, {
         "name": name,
@@ -119,6 +126,15 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "training_run": training_run_info(directory.parent),
         "description": None,
     })
+
+
+def _replace_hint_store(drafter: BlockDiffusionDrafter, data_dir: str, path: str) -> None:
+    """The drafter's hint store rebuilt from every answer of a regenerated data folder."""
+    if not drafter.config.store_hints:
+        raise ValueError(f"drafter.hint_data_dir={data_dir}: {path} was not trained with store_hints (drafter.store_hints)")
+    data = load_regenerated(_existing_dir(data_dir, "a regenerated data folder (experiments.regenerate prints it)",
+                                          "drafter.hint_data_dir"))
+    drafter.hint_store = HintStore(list(zip(data["input_ids"], data["prompt_len"])), drafter.config.store_num_folds)
 
 
 def prompt_lookup(target, num_draft_tokens: int = 15, max_ngram: int = 3, min_ngram: int = 1,
