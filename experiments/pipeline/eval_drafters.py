@@ -82,15 +82,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
-    directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
-    try:
-        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
-    except DamagedFileError:
-        raise  # names the damaged file: not a mismatch with the target
-    except ValueError as e:
-        raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
-    weight = next(target.parameters())
-    drafter.to(device=weight.device, dtype=weight.dtype)  # from_pretrained: eval mode
+    directory, drafter = _load_block_drafter(target, path)
     if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
         raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
                          f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints})")
@@ -126,6 +118,19 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "training_run": training_run_info(directory.parent),
         "description": None,
     })
+
+
+def _load_block_drafter(target, path: str) -> tuple[Path, BlockDiffusionDrafter]:
+    """``(directory, drafter)``: the saved drafter at ``path`` attached to ``target``, on its device and dtype."""
+    directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
+    try:
+        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
+    except DamagedFileError:
+        raise  # names the damaged file: not a mismatch with the target
+    except ValueError as e:
+        raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
+    weight = next(target.parameters())
+    return directory, drafter.to(device=weight.device, dtype=weight.dtype)  # from_pretrained: eval mode
 
 
 def _replace_hint_store(drafter: BlockDiffusionDrafter, data_dir: str, path: str) -> None:
