@@ -118,6 +118,12 @@ class HintStore:
         self._folds = [prompt_fold(ids[:n], self.num_folds) for ids, n in self.rows]
         self._stores: dict[int | None, NgramStore] = {}
 
+    @classmethod
+    def from_data(cls, data, num_folds: int = 4, indices: Sequence[int] | None = None) -> HintStore:
+        """The store of a regenerated dataset's rows (``drafters.data.load_regenerated``), or of ``indices`` only."""
+        ids, prompt_lens = (data.data.column(c).to_pylist() for c in ("input_ids", "prompt_len"))
+        return cls([(ids[i], prompt_lens[i]) for i in (range(len(ids)) if indices is None else indices)], num_folds)
+
     def store(self, fold: int | None = None) -> NgramStore:
         """The store of every answer (``fold`` None) or of the answers outside ``fold``."""
         if fold not in self._stores:

@@ -139,7 +139,7 @@ def _replace_hint_store(drafter: BlockDiffusionDrafter, data_dir: str, path: str
         raise ValueError(f"drafter.hint_data_dir={data_dir}: {path} was not trained with store_hints (drafter.store_hints)")
     data = load_regenerated(_existing_dir(data_dir, "a regenerated data folder (experiments.regenerate prints it)",
                                           "drafter.hint_data_dir"))
-    drafter.hint_store = HintStore(list(zip(data["input_ids"], data["prompt_len"])), drafter.config.store_num_folds)
+    drafter.hint_store = HintStore.from_data(data, drafter.config.store_num_folds)
 
 
 def prompt_lookup(target, num_draft_tokens: int = 15, max_ngram: int = 3, min_ngram: int = 1,

@@ -80,8 +80,7 @@ def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
     validation rows stay out of it, as unseen prompts are at inference)."""
     if not drafter.config.store_hints:
         return
-    ids, prompt_lens = (train_set.data.data.column(c).to_pylist() for c in ("input_ids", "prompt_len"))
-    drafter.hint_store = HintStore([(ids[i], prompt_lens[i]) for i in train_set.indices], drafter.config.store_num_folds)
+    drafter.hint_store = HintStore.from_data(train_set.data, drafter.config.store_num_folds, train_set.indices)
 
 
 def build(cfg: DictConfig):
