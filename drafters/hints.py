@@ -102,8 +102,9 @@ class HintStore:
 
     A training row must not read its own answer from the store (its hints would be its labels): the rows
     fall into ``num_folds`` folds by a hash of their prompt (:func:`prompt_fold`), and in training a row
-    reads the store of the other folds' answers. Inference reads the store of every answer. The stores are
-    built on first use. Saved beside the drafter (:meth:`save`, :meth:`load`) as the answers themselves.
+    reads the store of the other folds' answers. Inference reads the store of every answer, built here at
+    once (built on first use, it would be charged to the first timed decode); the folds' stores are built on
+    first use. Saved beside the drafter (:meth:`save`, :meth:`load`) as the answers themselves.
     """
 
     FILE = "hint_store.safetensors"
@@ -116,7 +117,7 @@ class HintStore:
         self.rows = [(list(map(int, ids)), int(prompt_len)) for ids, prompt_len in rows]  # (input_ids, prompt_len)
         self.num_folds, self.max_ngram = int(num_folds), int(max_ngram)
         self._folds = [prompt_fold(ids[:n], self.num_folds) for ids, n in self.rows]
-        self._stores: dict[int | None, NgramStore] = {}
+        self._stores: dict[int | None, NgramStore] = {None: NgramStore.from_answers(self.rows, self.max_ngram)}
 
     @classmethod
     def from_data(cls, data, num_folds: int = 4, indices: Sequence[int] | None = None) -> HintStore:
