@@ -345,18 +345,21 @@ class BlockDiffusionDrafter(nn.Module):
             return anchors.new_full((*anchors.shape, cfg.num_draft_tokens), cfg.mask_token_id)
         return self._hinted_slots(ids, mask, anchors, folds)[0]
 
-    def _hinted_slots(self, ids, mask, anchors, folds=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot ids (Bt, A, K), ngram (Bt, A))``: the hints, MASK where no n-gram matched (ngram 0), and
-        the length of the n-gram each rests on (of the row's own tokens, or of the store's answers)."""
+    def _hinted_slots(self, ids, mask, anchors, folds=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slot ids (Bt, A, K), ngram (Bt, A), from_store (Bt, A) bool)``: the hints, MASK where no n-gram
+        matched (ngram 0), the length of the n-gram each rests on, and whether it is the store's (of the
+        training answers) rather than the row's own tokens'."""
         cfg = self.config
         hints, ngram = lookup_hints(ids, mask, anchors, cfg.num_draft_tokens, cfg.lookup_max_ngram)
+        from_store = torch.zeros_like(ngram, dtype=torch.bool)
         if cfg.store_hints:
             if self.hint_store is None:
                 raise ValueError("store_hints: this drafter has no hint_store (training sets it from the data; "
                                  "from_pretrained loads it from the drafter's folder)")
             stored, n = self.hint_store.hints(ids, anchors, cfg.num_draft_tokens, ngram < STORE_BELOW_NGRAM, folds)
-            hints, ngram = torch.where((n > 0).unsqueeze(-1), stored, hints), torch.where(n > 0, n, ngram)
-        return hints.masked_fill(ngram.unsqueeze(-1) == 0, cfg.mask_token_id), ngram
+            from_store = n > 0
+            hints, ngram = torch.where(from_store.unsqueeze(-1), stored, hints), torch.where(from_store, n, ngram)
+        return hints.masked_fill(ngram.unsqueeze(-1) == 0, cfg.mask_token_id), ngram, from_store
 
     def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None) -> torch.Tensor:
         """Logits (Bt, A, K, V) of blocks ``[anchor, slot_ids]`` (default ``[anchor, MASK x K]``).
@@ -620,9 +623,9 @@ class BlockDiffusionDrafter(nn.Module):
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
         ids[:, 0] = anchor_ids.reshape(rows)
         if cfg.lookup_hints:  # the committed tokens (holes dropped) and the anchor, as training reads them
-            slots, ngram = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
+            slots, ngram, store = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
             ids[:, 1:] = slots[:, 0]
-            self._block_hints = slots[:, 0], ngram[:, 0]  # (B, K), (B,): for follow_hint_after
+            self._block_hints = slots[:, 0], ngram[:, 0], store[:, 0]  # (B, K), (B,), (B,): for follow_hint_after
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.weight_ref.dtype)
         return _Block(ids, cos, sin, c, mask)
@@ -734,6 +737,7 @@ class BlockDiffusionDrafter(nn.Module):
                 follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
             if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
                 logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
+        self._sources = self._label_rows(follow, logits.shape[0])
         hints = self._block_hints[0][:, : logits.shape[1]] if follow is not None else None  # (B, W)
         if temperature == 0:
             tokens = logits.argmax(-1)
@@ -742,6 +746,20 @@ class BlockDiffusionDrafter(nn.Module):
         if follow is not None:  # copied rows: q is the point mass on the hint, from which the hint is the draw
             q = torch.where(follow[:, None, None], nn.functional.one_hot(hints, q.shape[-1]).to(q.dtype), q)
         return sample_tokens(q, generator), q  # (B, W): slot k drawn from q[:, k]
+
+    def _label_rows(self, follow: torch.Tensor | None, rows: int) -> list[str] | None:
+        """Per row, what drafts it: ``hint:prompt`` / ``hint:store`` (a copied hint of the row's own tokens or
+        of the hint store) or ``drafter`` (the drafter's tokens); None for drafters without lookup hints."""
+        if not self.config.lookup_hints:
+            return None
+        copied = follow.tolist() if follow is not None else [False] * rows
+        store = self._block_hints[2].tolist()
+        return [("hint:store" if s else "hint:prompt") if c else "drafter" for c, s in zip(copied, store)]
+
+    def draft_sources(self) -> list[str] | None:
+        """What drafted each row of the last :meth:`draft` (see :meth:`_label_rows`; the drafter protocol's
+        optional labels, recorded by the verifier beside the accepted counts)."""
+        return getattr(self, "_sources", None)
 
     def _hint_rows(self) -> torch.Tensor:
         """(B,) bool: rows whose hint rests on an n-gram of at least ``follow_hint_min_ngram`` tokens (under

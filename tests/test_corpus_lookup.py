@@ -75,6 +75,8 @@ def test_a_store_holding_the_answer_drafts_it_whole():
     base = target_generate(target, input_ids, max_new_tokens=new)
     assert out.new_tokens == base.new_tokens
     assert out.accepted_counts[0] == [K, K, K, K]  # 4 blocks of K + 1 = 36 tokens
+    # the first block is the store's; then the row's own tokens hold the cycle and prompt lookup drafts it
+    assert out.draft_sources[0] == ["store", "prompt", "prompt", "prompt"]
     lookup = speculative_generate(target, PromptLookupDrafter(V, K), input_ids, max_new_tokens=new)
     assert lookup.accepted_counts[0][0] == 0 and out.tau > lookup.tau
 

@@ -117,6 +117,7 @@ def test_evaluate_fields(results):
             assert e["speedup"] == pytest.approx(e["spec_tokens_per_s"] / e["target_tokens_per_s"])
             assert e["target_new_tokens"] == e["num_turns"] * MAX_NEW
             assert e["greedy_match"] == (1.0 if key == "t0" else None)  # exactness at T=0
+            assert e["by_draft_source"] == {} and all(r["draft_sources"] == [] for r in records)  # not hinted
             json.dumps(e)  # serialisable
     from experiments.data.prompts import encode_prompt
 
@@ -319,6 +320,12 @@ def test_baselines_through_the_entry_point(baseline_runs, assets):
     assert json.loads((runs / "prompt_lookup" / "results.json").read_text())["drafter"]["name"] == "prompt_lookup"
     corpus = docs["corpus_lookup"]["drafter"]
     assert (corpus["name"], corpus["kind"], corpus["path"]) == ("corpus_lookup", "corpus_lookup", str(assets / "regen"))
+    for entries in docs["corpus_lookup"]["results"].values():  # every step labelled by what drafted it
+        for e in entries.values():
+            assert set(e["by_draft_source"]) <= {"prompt", "store", "anchor"}
+            assert sum(v["row_steps"] for v in e["by_draft_source"].values()) == e["target_forwards"]
+            assert sum(v["mean_accepted"] * v["row_steps"] for v in e["by_draft_source"].values()) == pytest.approx(
+                sum(sum(r["accepted_counts"]) for r in e["prompts"]))
     assert corpus["config"]["answers"] == 2 and corpus["config"]["prompt_min_ngram"] == 2
 
 

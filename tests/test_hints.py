@@ -9,6 +9,7 @@ from drafters.dflash import DFlashFormatError, export_dflash
 from drafters.hints import compact_rows, lookup_hints
 from verify import speculative_generate
 from verify.drafter import copy_tokens, lookup_start
+from verify.metrics import accepted_by_source
 
 
 def _longest_match(seq: list[int], max_ngram: int, min_ngram: int) -> int:
@@ -371,6 +372,12 @@ def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
     out = speculative_generate(target, drafter, prompts, attention_mask=mask, max_new_tokens=16)
     assert torch.equal(out.sequences, ref)
     assert max(out.accept_histogram[4:]) > 0  # a whole block of the stored answer was accepted
+    # every step is labelled; row 1 (the stored prompt) copies the store's hint and keeps more drafts per such
+    # step than the untrained drafter's own tokens keep
+    assert [len(s) for s in out.draft_sources] == [len(c) for c in out.accepted_counts]
+    assert set(out.draft_sources[1]) <= {"hint:store", "hint:prompt", "drafter"} and "hint:store" in out.draft_sources[1]
+    by = accepted_by_source(out.accepted_counts, out.draft_sources)
+    assert by["hint:store"]["mean_accepted"] > by.get("drafter", {"mean_accepted": 0.0})["mean_accepted"]
 
 
 def test_store_hints_keep_the_target_distribution():

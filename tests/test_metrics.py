@@ -72,3 +72,15 @@ def test_bootstrap_ci_contains_point_estimate():
 def test_bad_inputs_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_accepted_by_source_counts_each_label():
+    """Row-steps, share, mean kept drafts and share keeping none, per label; labels must cover every step."""
+    from verify.metrics import accepted_by_source
+
+    by = accepted_by_source([[0, 3, 1], [2, 0]], [["drafter", "hint", "hint"], ["hint", "drafter"]])
+    assert by == {"drafter": {"row_steps": 2, "share": 0.4, "mean_accepted": 0.0, "zero_accepted": 1.0},
+                  "hint": {"row_steps": 3, "share": 0.6, "mean_accepted": 2.0, "zero_accepted": 0.0}}
+    assert accepted_by_source([[1, 2]], [[]]) == {}  # an unlabelled drafter
+    with pytest.raises(ValueError, match="row 0: 1 draft sources for 2 steps"):
+        accepted_by_source([[1, 2]], [["hint"]])

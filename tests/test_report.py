@@ -323,3 +323,21 @@ def test_committed_paths_carry_no_machine_folder(tmp_path, monkeypatch):
     assert runs_path(runs / "multirun" / "x" / "drafter") == "$BLOCKDRAFT_RUNS/multirun/x/drafter"
     assert runs_path(target) == "experiments/assets/tiny_target"  # inside the repository: relative to it
     assert runs_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+
+
+def test_draft_sources_reported_per_drafter_and_label(tmp_path):
+    """A run whose results carry by_draft_source (a hinted drafter's labels) gets them in report.json and a
+    table in report.md; a run without them gets no row there."""
+    uniform, chain = _docs()
+    sources = {"drafter": {"row_steps": 30, "share": 0.25, "mean_accepted": 0.4, "zero_accepted": 0.7},
+               "hint:store": {"row_steps": 90, "share": 0.75, "mean_accepted": 2.5, "zero_accepted": 0.3}}
+    chain["results"]["code"]["t0"]["by_draft_source"] = sources
+    (tmp_path / "u.json").write_text(json.dumps(uniform))
+    (tmp_path / "c.json").write_text(json.dumps(chain))
+    runs = rp.load_runs([tmp_path / "u.json", tmp_path / "c.json"], names=["uniform", "chain"])
+    report = rp.write_report(runs, tmp_path / "out")
+    assert report["draft_sources"] == {"t0": {"code": {"chain": sources}}}
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| chain | `hint:store` | 75% · 2.50 |" in text and "| chain | `drafter` | 25% · 0.40 |" in text
+    assert "| uniform | `" not in text
+    assert text.count("Where the accepted drafts come from") == 1  # t0 only

@@ -12,6 +12,7 @@ from verify.generate import SpeculativeOutput, TargetOutput, speculative_generat
 from verify.hf import max_positions, new_kv_cache, output_vocab_size
 from verify.metrics import (
     accept_histogram,
+    accepted_by_source,
     bootstrap_ci,
     position_acceptance,
     summarize,
@@ -29,6 +30,7 @@ __all__ = [
     "SpeculativeOutput",
     "TargetOutput",
     "accept_histogram",
+    "accepted_by_source",
     "bootstrap_ci",
     "max_positions",
     "new_kv_cache",

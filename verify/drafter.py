@@ -24,6 +24,10 @@ One speculative step:
 
 A drafter may be stateful (caches), so the verifier calls ``reset`` before a new batch and
 ``select_rows`` when it drops finished rows from the batch.
+
+Optionally, ``draft_sources()`` returns, per row of the last ``draft``, a label of what drafted it (e.g.
+``hint`` for a copied lookup hint, ``drafter`` for the model's own tokens; None: unlabelled). The verifier
+records them beside the accepted counts (:func:`verify.metrics.accepted_by_source`).
 """
 
 from __future__ import annotations
@@ -317,14 +321,17 @@ class CorpusLookupDrafter(PromptLookupDrafter):
         k, seq = self.num_draft_tokens, torch.cat([history, anchor.view(1)])
         start = lookup_start(seq, self.max_ngram, self.min_ngram) if self.prompt_min_ngram else seq.numel() - 1
         if start != seq.numel() - 1:  # the row's own n-gram recurs: copy what followed it
+            self._sources.append("prompt")
             return copy_tokens(seq, start, k)
         tokens = self.store.continuation(seq.tolist(), k, self.corpus_min_ngram)
+        self._sources.append("store" if tokens else ("fallback" if self.fallback is not None else "anchor"))
         if not tokens and self.fallback is not None:
             return None
         tokens = tokens or [int(anchor)]
         return torch.tensor(tokens + tokens[-1:] * (k - len(tokens)))
 
     def draft(self, anchor_ids, anchor_position_ids=None, **sampling):
+        self._sources = []  # filled by _retrieved, one label per row
         rows = [self._retrieved(h, a) for h, a in zip(self._tokens, anchor_ids.cpu())]
         own = [i for i, r in enumerate(rows) if r is None]  # rows the fallback drafts
         if not own:
@@ -342,6 +349,11 @@ class CorpusLookupDrafter(PromptLookupDrafter):
                 q = q.clone()
                 q[index] = torch.nn.functional.one_hot(tokens[index], q.shape[-1]).to(q.dtype)
         return tokens, q
+
+    def draft_sources(self) -> list[str]:
+        """Per row of the last draft: ``prompt`` (the row's own n-gram recurred), ``store`` (the store's
+        continuation), ``fallback`` (the fallback drafter) or ``anchor`` (nothing held: the anchor repeated)."""
+        return list(self._sources)
 
 
 def lookup_start(seq: torch.Tensor, max_ngram: int, min_ngram: int = 1) -> int:

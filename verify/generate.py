@@ -43,6 +43,8 @@ class SpeculativeOutput(TargetOutput):
     """Result of :func:`speculative_generate`; metrics follow DESIGN.md §4 (see verify.metrics)."""
 
     accepted_counts: list[list[int]] = field(default_factory=list)  # kept drafts, per row per step
+    # What drafted each of those steps (the drafter's draft_sources(); empty lists when it has none).
+    draft_sources: list[list[str]] = field(default_factory=list)
     target_forwards_per_row: list[int] = field(default_factory=list)  # verification steps per row
     num_batched_forwards: int = 0  # target forward calls after prefill (the batch's step count)
     num_verified_slots: int = 0  # drafts verified per row, summed over those calls (W of each step)
@@ -60,6 +62,7 @@ class _Decoded:
     num_batched_forwards: int
     wall_time: float
     num_verified_slots: int = 0
+    draft_sources: list[list[str]] = field(default_factory=list)  # per row per step, when the drafter labels
 
 
 def _eos_tensor(eos_token_id, device) -> torch.Tensor:
@@ -271,6 +274,17 @@ def _draft(drafter, live: _Live, num_drafts: int, temperature, top_k, top_p, gen
     return drafts[:, :width].long(), (q[:, :width] if q is not None else None)
 
 
+def _record_sources(drafter, rows: list[int], out: _Decoded) -> None:
+    """Append the label of each live row's draft (``drafter.draft_sources()``, when it has one) to ``out``."""
+    labels = drafter.draft_sources() if hasattr(drafter, "draft_sources") else None
+    if labels is None:
+        return
+    if len(labels) != len(rows):
+        raise ValueError(f"drafter.draft_sources() gave {len(labels)} labels for {len(rows)} rows")
+    for row, label in zip(rows, labels):
+        out.draft_sources[row].append(str(label))
+
+
 def _verify(run: _TargetPass, live: _Live, drafts, q, slots, temperature, top_k, top_p, generator,
             clock) -> _Step:
     """The target's forward over ``[anchor, d_1..d_W]`` and the kept prefix of every row."""
@@ -378,11 +392,13 @@ def _decode(
     live = _prefill(run, drafter, input_ids, attention_mask, max_new_tokens)
     clock.lap("prefill")
     clock.next_step()
-    out = _Decoded([[] for _ in range(batch_size)], [[] for _ in range(batch_size)], 0, 0.0)
+    out = _Decoded([[] for _ in range(batch_size)], [[] for _ in range(batch_size)], 0, 0.0,
+                   draft_sources=[[] for _ in range(batch_size)])
     all_slots = torch.arange(num_drafts + 1, device=input_ids.device)  # (K + 1,)
     while live.rows:
         drafts, q = _draft(drafter, live, num_drafts, temperature, top_k, top_p, generator)
         if drafter is not None:
+            _record_sources(drafter, live.rows, out)
             clock.lap("draft")
         slots = all_slots[: drafts.shape[1] + 1]  # (W + 1,)
         step = _verify(run, live, drafts, q, slots, temperature, top_k, top_p, generator, clock)
@@ -452,6 +468,7 @@ def speculative_generate(
         num_target_forwards=metrics["target_forwards"],
         wall_time=decoded.wall_time,
         accepted_counts=decoded.accepted_counts,
+        draft_sources=decoded.draft_sources,
         target_forwards_per_row=steps,
         num_batched_forwards=decoded.num_batched_forwards,
         num_verified_slots=decoded.num_verified_slots,

@@ -148,3 +148,20 @@ def summarize(
         "new_tokens": int(new.sum()),
         "target_forwards": int(steps.sum()),
     }
+
+
+def accepted_by_source(accepted_counts: Sequence[Sequence[int]], draft_sources: Sequence[Sequence[str]]) -> dict:
+    """Where the accepted drafts come from: per source label (``draft_sources[b][s]`` names what drafted step
+    s of row b, e.g. ``hint`` or ``drafter``; see ``Drafter.draft_sources``), ``{"row_steps", "share",
+    "mean_accepted", "zero_accepted"}``: its row-steps, their share of all, the drafts kept per such step and
+    the share of them that kept none. Labels in sorted order; {} when no step is labelled."""
+    totals: dict[str, list[int]] = {}
+    for b, (counts, sources) in enumerate(zip(accepted_counts, draft_sources, strict=True)):
+        if sources and len(sources) != len(counts):
+            raise ValueError(f"row {b}: {len(sources)} draft sources for {len(counts)} steps")
+        for count, source in zip(counts, sources):
+            entry = totals.setdefault(str(source), [0, 0, 0])
+            entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + int(count), entry[2] + int(count == 0)
+    steps = sum(t[0] for t in totals.values())
+    return {s: {"row_steps": n, "share": n / steps, "mean_accepted": kept / n, "zero_accepted": zero / n}
+            for s, (n, kept, zero) in sorted(totals.items())}

@@ -58,7 +58,7 @@ from experiments.pipeline.records import (
 from experiments.pipeline.settings import DecodingSettings
 from verify.generate import speculative_generate, target_generate
 from verify.hf import max_positions
-from verify.metrics import summarize
+from verify.metrics import accepted_by_source, summarize
 
 
 def prompt_budget(target, max_prompt_tokens: int | None, max_new_tokens: int) -> int:
@@ -145,7 +145,7 @@ def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decod
     run.batched_forwards += out.num_batched_forwards
     run.verified_slots += out.num_verified_slots
     done = [({"new_tokens": len(out.new_tokens[row]), "steps": out.target_forwards_per_row[row],
-              "accepted_counts": list(out.accepted_counts[row])},
+              "accepted_counts": list(out.accepted_counts[row]), "draft_sources": list(out.draft_sources[row])},
              tokenizer.decode(out.new_tokens[row], skip_special_tokens=True).strip()) for row in range(len(rows))]
     if measure_target_only:
         base = target_generate(target, input_ids, attention_mask=mask, generator=run.gen_target, **run.kwargs)
@@ -165,6 +165,7 @@ def _prompt_records(prompts: Sequence[Prompt], turns: list[list[dict]]) -> list[
         "new_tokens_per_turn": [t["new_tokens"] for t in turns[i]],
         "steps_per_turn": [t["steps"] for t in turns[i]],
         "accepted_counts": [c for t in turns[i] for c in t["accepted_counts"]],
+        "draft_sources": [c for t in turns[i] for c in t["draft_sources"]],
     } for i, p in enumerate(prompts)]
 
 
@@ -190,6 +191,10 @@ def _entry(suite: str, temperature: float, metrics: dict, total: int, run: _Deco
         # Turns whose speculative output equals target-only decoding: 1.0 at T=0 (exactness); at T>0 the
         # two runs draw different random numbers, so this is only the chance of equal samples.
         "greedy_match": run.matches / total if measure_target_only and temperature == 0 else None,
+        # Per label of the drafter's draft_sources() (e.g. hint:store, hint:prompt, drafter): row-steps, share,
+        # drafts kept per step, share keeping none; {} for drafters that do not label their drafts.
+        "by_draft_source": accepted_by_source([r["accepted_counts"] for r in records],
+                                              [r["draft_sources"] for r in records]),
         "prompts": records,
     }
 
@@ -244,8 +249,10 @@ def evaluate(
     ``tau_ci_low``/``tau_ci_high`` 95% bootstrap over prompts, ``mean_accepted``, ``accept_hist`` over
     0..K, ``position_acceptance`` a_1..a_K, ``new_tokens``, ``target_forwards``), the speeds
     (``spec_tokens_per_s``, ``target_tokens_per_s``, ``speedup``; wall clock, prefill included),
-    ``greedy_match`` (T=0), and ``prompts``: per-prompt records ``id, turns, new_tokens, steps,
-    new_tokens_per_turn, steps_per_turn, accepted_counts`` from which any metric can be recomputed.
+    ``greedy_match`` (T=0), ``by_draft_source`` (:func:`verify.metrics.accepted_by_source`: the accepted
+    drafts per label of the drafter's ``draft_sources()``, e.g. copied hint or the drafter's own tokens), and
+    ``prompts``: per-prompt records ``id, turns, new_tokens, steps, new_tokens_per_turn, steps_per_turn,
+    accepted_counts, draft_sources`` from which any metric can be recomputed.
 
     ``done`` holds entries already computed (a resumed run): they are returned as they are, not rerun.
     ``on_result(suite, key, entry)`` is called after each new entry (the entry point saves there).

@@ -127,9 +127,23 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
         "num_bootstrap": num_bootstrap,
         "table": table,
         "curves": curves,
+        "draft_sources": _draft_sources(runs, t_keys),
     }
     report["across_seeds"] = aggregate_seeds(report)
     return report
+
+
+def _draft_sources(runs: Sequence[Run], t_keys: Sequence[str]) -> dict[str, dict[str, dict[str, dict]]]:
+    """``{t_key: {suite: {run: by_draft_source}}}`` for the runs whose drafter labels its drafts (results'
+    ``by_draft_source``: row-steps, share and drafts kept per label, e.g. copied hint vs the drafter's own)."""
+    out: dict[str, dict[str, dict[str, dict]]] = {}
+    for key in t_keys:
+        for run in runs:
+            for suite, entries in run.results.items():
+                sources = entries.get(key, {}).get("by_draft_source")
+                if sources:
+                    out.setdefault(key, {}).setdefault(suite, {})[run.name] = sources
+    return out
 
 
 def _suites_and_temperatures(runs: Sequence[Run]) -> tuple[list[str], dict[str, float]]:

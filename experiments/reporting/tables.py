@@ -80,6 +80,22 @@ def _seed_sections(report: dict, seeds: dict) -> list[str]:
     return lines
 
 
+def _source_section(sources: dict[str, dict[str, dict]], names: list[str]) -> list[str]:
+    """Per drafter that labels its drafts and per label: share of row-steps · drafts kept per such step."""
+    if not sources:
+        return []
+    suites = list(sources)
+    rows = []
+    for name in names:
+        labels = sorted({label for s in suites for label in sources[s].get(name, {})})
+        for label in labels:
+            cells = [sources[s].get(name, {}).get(label) for s in suites]
+            rows.append([name, f"`{label}`", *(f"{c['share']:.0%} · {c['mean_accepted']:.2f}" if c else "—"
+                                               for c in cells)])
+    return ["", "### Where the accepted drafts come from (share of row-steps · drafts kept per such step)", "",
+            *_table(["configuration", "drafted by", *suites], rows)]
+
+
 def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
     """report.md: per temperature, tables of τ, gain over the baseline, and speed."""
     names = [c["name"] for c in report["configurations"]]
@@ -117,6 +133,7 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
         lines += ["", "### Speed (speculative / target-only tokens per second = speedup)", ""]
         lines += _table(["configuration", *speed_cols],
                         [[n, *(_fmt_speed(report["table"][key][s].get(n)) for s in speed_cols)] for n in names])
+        lines += _source_section(report.get("draft_sources", {}).get(key, {}), names)
     if plots:
         lines += ["", "## Plots"]
         for p in plots:
