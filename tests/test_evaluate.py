@@ -411,3 +411,31 @@ def test_block_drafter_hint_data_dir(assets, tmp_path):
         block_drafter(target, str(assets / "drafter"), hint_data_dir=str(tmp_path / "regen"))
     with pytest.raises(FileNotFoundError, match="drafter.hint_data_dir=.*no such directory"):
         block_drafter(target, str(tmp_path / "store_drafter"), hint_data_dir=str(tmp_path / "missing"))
+
+
+def test_suite_steps_bench_times_every_speculative_step(assets, tmp_path):
+    """experiments.bench.suite_steps: the evaluation's decoding with a step clock; one clock step per verification
+    step plus one prefill per batch, every verification step timed in its draft and target parts."""
+    from experiments.bench import suite_steps
+    from experiments.bench.step_profile import StepClock
+    from experiments.data.target import load_target
+
+    target, tok = load_target(str(assets / "target"))
+    drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target).eval()
+    settings = DecodingSettings(temperatures=(0.0,), max_new_tokens=MAX_NEW, batch_size=2, max_prompt_tokens=BUDGET,
+                                num_bootstrap=50, progress=False)
+    clock = StepClock()
+    entry = ev.evaluate_suite(target, tok, drafter, _suites()["code"], suite="code", temperature=0.0,
+                              settings=settings, clock=clock)
+    batches = -(-len(CODE) // 2)
+    assert len(clock.steps) == entry["batched_forwards"] + batches
+    verification = [s for s in clock.steps if "prefill" not in s]
+    assert len(verification) == entry["batched_forwards"]
+    assert all({"draft", "target_forward", "verify"} <= set(s) for s in verification)
+    out = tmp_path / "steps.json"
+    doc = suite_steps.main([o for o in _overrides(assets, None) if not o.startswith("+suite.chat")] + ["--out", str(out)])
+    summary = json.loads(out.read_text())["suites"]["jsonl"]["t0"]
+    assert summary == doc["suites"]["jsonl"]["t0"] and summary["tau"] == pytest.approx(entry["tau"])
+    parts = summary["ms_per_step"]
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if "@" not in k and k != "total"))
+    assert parts["target_forward"] > 0 and parts["draft"] > 0 and "draft_states@draft" in parts

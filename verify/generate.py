@@ -409,6 +409,7 @@ def _decode(
         if any(done_list):
             accepted_list = _drop_finished(live, step, done_list, accepted_list, run.cache, drafter)
             if not live.rows:
+                clock.next_step()
                 break
             clock.lap("select_rows")
         _advance(live, step, accepted_list, run.cache, drafter, clock)
@@ -436,6 +437,7 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
+    clock=None,
 ) -> SpeculativeOutput:
     """Speculative decoding of a Hugging Face causal LM ``target`` with any :class:`Drafter`.
 
@@ -443,7 +445,9 @@ def speculative_generate(
     (temperature, top-k, top-p); at temperature 0 they equal its greedy decoding. A row stops after
     ``max_new_tokens`` new tokens or at the first token in ``eos_token_id`` (kept; None = never).
     ``sequences`` is the prompt followed by each row's new tokens, padded with ``pad_token_id``
-    (default: the target's pad id, else the first EOS id, else 0) to the longest row.
+    (default: the target's pad id, else the first EOS id, else 0) to the longest row. ``clock``: an
+    optional step clock timing the parts of every step (``lap(name)``, ``next_step()``; e.g.
+    :class:`experiments.bench.step_profile.StepClock`).
     """
     num_drafts = getattr(drafter, "num_draft_tokens", 0)
     if not isinstance(num_drafts, int) or num_drafts < 1:
@@ -457,7 +461,7 @@ def speculative_generate(
     attention_mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens, target_vocab)
     eos = _eos_tensor(eos_token_id, input_ids.device)
     decoded = _decode(
-        target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator
+        target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator, clock
     )
     steps = [len(c) for c in decoded.accepted_counts]
     metrics = summarize(decoded.accepted_counts, decoded.new_tokens, steps, num_drafts)

@@ -1,7 +1,8 @@
 """Benchmarks and diagnosis loops (plain argparse scripts, ``python -m experiments.bench.<name>``):
 ``learning`` (the drafter learning diagnosis), ``losses`` (loss forward+backward cost), ``scale`` (costs
 at a real model's shape, random weights), ``step`` (one speculative step vs one target step, with
-:mod:`.step_profile`), ``train`` (training step throughput), ``verify`` (the verifier vs transformers'
+:mod:`.step_profile`), ``suite_steps`` (a suite's speculative steps, timed in their parts, and where their
+accepted drafts come from), ``train`` (training step throughput), ``verify`` (the verifier vs transformers'
 assisted generation)."""
 
 from __future__ import annotations

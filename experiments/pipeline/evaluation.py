@@ -136,11 +136,11 @@ def _encode_turn(tokenizer, prompts, answers, live, turn: int, budget: int, use_
 
 
 def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decoding,
-                  measure_target_only: bool) -> list[tuple[dict, str]]:
+                  measure_target_only: bool, clock=None) -> list[tuple[dict, str]]:
     """One batch, speculatively (and target-only for the speedup): per row its turn record and answer."""
     input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
     out = speculative_generate(target, drafter, input_ids, attention_mask=mask, generator=run.gen_spec,
-                               **run.kwargs)
+                               clock=clock, **run.kwargs)
     run.spec_time += out.wall_time
     run.batched_forwards += out.num_batched_forwards
     run.verified_slots += out.num_verified_slots
@@ -200,8 +200,9 @@ def _entry(suite: str, temperature: float, metrics: dict, total: int, run: _Deco
 
 
 def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite: str, temperature: float,
-                   settings: DecodingSettings | None = None) -> dict:
-    """One (suite, temperature) entry of results.json (see :func:`evaluate` for its fields)."""
+                   settings: DecodingSettings | None = None, clock=None) -> dict:
+    """One (suite, temperature) entry of results.json (see :func:`evaluate` for its fields). ``clock`` times
+    the parts of the speculative steps (:func:`verify.speculative_generate`; ``experiments.bench.suite_steps``)."""
     s = settings or DecodingSettings()
     if s.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {s.batch_size}")
@@ -219,7 +220,8 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
         order = sorted(live, key=lambda i: (len(encoded[i]), prompts[i].id))
         for start in range(0, len(order), s.batch_size):
             chunk = order[start: start + s.batch_size]
-            done = _decode_batch(target, tokenizer, drafter, [encoded[i] for i in chunk], run, s.measure_target_only)
+            done = _decode_batch(target, tokenizer, drafter, [encoded[i] for i in chunk], run, s.measure_target_only,
+                                 clock)
             for i, (record, answer) in zip(chunk, done):
                 turns[i].append(record)
                 answers[i].append(answer)
