@@ -12,7 +12,7 @@ import os
 import hydra
 from omegaconf import DictConfig
 
-import experiments  # noqa: F401  (registers the ${asset:...} and ${settings_hash:...} resolvers)
+import experiments  # noqa: F401  (registers the ${asset:...}, ${settings_hash:...} and ${target_id:...} resolvers)
 from experiments.pipeline.training import train
 
 

@@ -15,7 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import experiments  # noqa: F401  (registers the ${asset:...} and ${settings_hash:...} resolvers)
+import experiments  # noqa: F401  (registers the ${asset:...}, ${settings_hash:...} and ${target_id:...} resolvers)
 from experiments.pipeline.assistant import train_assistant
 
 

@@ -75,6 +75,32 @@ def test_tiny_target_path_points_into_the_package():
     assert Path(cfg.target.path) == ROOT / "experiments" / "assets" / "tiny_target"
 
 
+def test_data_cache_folder_names_the_target_files_not_their_place(tmp_path):
+    """A copy of the target elsewhere (a re-clone, a worktree) finds the same regenerated-data folder and passes
+    the signature check; changed weights or config name another folder."""
+    import shutil
+
+    from experiments.data.target import target_signature
+
+    src = ROOT / "experiments" / "assets" / "tiny_target"
+    copy = tmp_path / "elsewhere" / "tiny_target"
+    shutil.copytree(src, copy)
+
+    def data_dir(path):
+        return _compose("regenerate", [f"target.path={path}"]).data.data_dir
+
+    assert data_dir(copy) == data_dir(src) and target_signature(copy) == target_signature(src)
+    assert str(tmp_path) not in data_dir(copy)
+    weights = copy / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF  # the last weight's last byte
+    weights.write_bytes(bytes(raw))
+    assert data_dir(copy) != data_dir(src) and target_signature(copy) != target_signature(src)
+    shutil.copy(src / "model.safetensors", weights)
+    (copy / "config.json").write_text((src / "config.json").read_text().replace("}", ', "extra": 1}', 1))
+    assert data_dir(copy) != data_dir(src)
+
+
 def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]

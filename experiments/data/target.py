@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -17,6 +19,32 @@ TINY_TARGET_DIR = ASSETS / "tiny_target"
 def asset_path(name: str) -> str:
     """Absolute path of a file shipped under ``experiments/assets`` (Hydra: ``${asset:name}``)."""
     return str(ASSETS / name)
+
+
+def target_signature(path: str) -> dict:
+    """What identifies a target's files wherever they lie (a moved or re-cloned folder keeps it): config.json's
+    sha1 and, per ``*.safetensors`` file, its size and the sha1 of its first and last MiB (the header and the
+    first and last tensors' bytes, which retraining changes). A hub name (no such folder) is its own signature."""
+    root = Path(os.path.expanduser(str(path)))
+    if not root.is_dir():
+        return {"path": str(path)}
+    sig: dict = {}
+    if (root / "config.json").is_file():
+        sig["config_sha1"] = hashlib.sha1((root / "config.json").read_bytes()).hexdigest()
+    sig["weights"] = {p.name: [p.stat().st_size, _ends_sha1(p)] for p in sorted(root.glob("*.safetensors"))}
+    return sig
+
+
+def target_id(path: str) -> str:
+    """A short hash of :func:`target_signature` (Hydra: ``${target_id:${target.path}}``, in cache folder names)."""
+    return hashlib.sha1(json.dumps(target_signature(path), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _ends_sha1(path: Path, size: int = 1 << 20) -> str:
+    with open(path, "rb") as f:
+        head = f.read(size)
+        f.seek(max(path.stat().st_size - size, len(head)))
+        return hashlib.sha1(head + f.read(size)).hexdigest()
 
 
 def load_target(path: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):

@@ -4,15 +4,13 @@
   that must agree for a resume (:func:`check_resumable`), the target's description, the suites'
   digests, the git commit, the metric names sent to the logger;
 * training run folders (written by :mod:`experiments.pipeline.training`): which loss, name and seed a
-  run had (:func:`training_run_info`, read from ``.hydra/`` and ``train_summary.json``);
-* the target's file signature recorded with regenerated data (:func:`target_signature`).
+  run had (:func:`training_run_info`, read from ``.hydra/`` and ``train_summary.json``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -147,19 +145,3 @@ def training_run_info(run_dir: str | Path) -> dict | None:
         except (OSError, json.JSONDecodeError):
             pass
     return {"run_dir": str(run_dir.resolve()), "loss": loss_choice(run_dir), "name": name, "seed": config.get("seed")}
-
-
-# ------------------------------------------------------------------------------------------------
-# Regenerated data
-
-
-def target_signature(path: str) -> dict:
-    """What identifies the target's files: config.json's sha1, the weight files' sizes and mtimes."""
-    root = Path(os.path.expanduser(str(path)))
-    if not root.is_dir():
-        return {"path": str(path)}
-    sig = {"path": str(root.resolve())}
-    if (root / "config.json").is_file():
-        sig["config_sha1"] = hashlib.sha1((root / "config.json").read_bytes()).hexdigest()
-    sig["weights"] = {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(root.glob("*.safetensors"))}
-    return sig

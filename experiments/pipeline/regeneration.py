@@ -53,7 +53,7 @@ from drafters.model import target_fingerprint
 from experiments.data.decontamination import check_disjoint
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import as_messages, encode_messages
-from experiments.pipeline.records import target_signature
+from experiments.data.target import target_signature
 from experiments.pipeline.regen_backends import Answer, Prompt
 
 

@@ -44,9 +44,8 @@ from drafters.features import ensure_features
 from drafters.features import features_dir as features_folder
 from drafters.hints import HintStore
 from drafters.model import DrafterConfig, target_fingerprint
-from experiments.data.target import load_target
+from experiments.data.target import load_target, target_signature
 from experiments.pipeline.evaluation import evaluate_training_run
-from experiments.pipeline.records import target_signature
 from experiments.pipeline.regeneration import ensure_data
 from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
 
