@@ -432,6 +432,9 @@ def test_suite_steps_bench_times_every_speculative_step(assets, tmp_path):
     verification = [s for s in clock.steps if "prefill" not in s]
     assert len(verification) == entry["batched_forwards"]
     assert all({"draft", "target_forward", "verify"} <= set(s) for s in verification)
+    # the laps lie inside the decodes (not the target-only runs between them): they sum to at most their wall time
+    laps = sum(v for s in clock.steps for k, v in s.items() if "@" not in k)
+    assert 0.5 * entry["spec_wall_time_s"] < laps <= entry["spec_wall_time_s"]
     out = tmp_path / "steps.json"
     doc = suite_steps.main([o for o in _overrides(assets, None) if not o.startswith("+suite.chat")] + ["--out", str(out)])
     summary = json.loads(out.read_text())["suites"]["jsonl"]["t0"]
@@ -439,3 +442,4 @@ def test_suite_steps_bench_times_every_speculative_step(assets, tmp_path):
     parts = summary["ms_per_step"]
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if "@" not in k and k != "total"))
     assert parts["target_forward"] > 0 and parts["draft"] > 0 and "draft_states@draft" in parts
+    assert parts["total"] * summary["batched_forwards"] <= 1e3 * summary["spec_wall_time_s"]

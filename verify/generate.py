@@ -117,6 +117,9 @@ def _pad_id(target, pad_token_id, eos: torch.Tensor) -> int:
 class _NoClock:
     """The default step clock: records nothing (:mod:`experiments.bench.step_profile` passes one that does)."""
 
+    def start(self) -> None:
+        pass
+
     def lap(self, name: str) -> None:
         pass
 
@@ -384,6 +387,7 @@ def _decode(
     module docstring). ``lazy_head`` (default: on CPU) lets the greedy verifier apply the LM head."""
     start = time.perf_counter()
     clock = clock if clock is not None else _NoClock()
+    clock.start()
     batch_size, prompt_len = input_ids.shape
     num_drafts = drafter.num_draft_tokens if drafter is not None else 0
     lazy = input_ids.device.type == "cpu" if lazy_head is None else bool(lazy_head)
@@ -446,7 +450,7 @@ def speculative_generate(
     ``max_new_tokens`` new tokens or at the first token in ``eos_token_id`` (kept; None = never).
     ``sequences`` is the prompt followed by each row's new tokens, padded with ``pad_token_id``
     (default: the target's pad id, else the first EOS id, else 0) to the longest row. ``clock``: an
-    optional step clock timing the parts of every step (``lap(name)``, ``next_step()``; e.g.
+    optional step clock timing the parts of every step (``start()``, ``lap(name)``, ``next_step()``; e.g.
     :class:`experiments.bench.step_profile.StepClock`).
     """
     num_drafts = getattr(drafter, "num_draft_tokens", 0)

@@ -1,7 +1,7 @@
 """Where the time of one speculative step goes: the library behind ``python -m experiments.bench.step``.
 
-:func:`verify.generate._decode` takes an optional *clock* whose ``lap(name)`` it calls at the end of
-each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,
+:func:`verify.generate._decode` takes an optional *clock* whose ``start()`` it calls when a decode
+begins, ``lap(name)`` at the end of each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,
 ``crop``, ``drafter_extend``) and whose ``next_step()`` it calls when a step ends, so the laps of
 one step partition its wall time. :class:`StepClock` records them (wall and CPU time);
 :func:`timed_parts` adds sub-parts timed inside a lap (the drafter's layers, the LM head,
@@ -56,6 +56,12 @@ class StepClock:
         self._pending: dict[str, tuple[float, float]] = {}
         self._last = time.perf_counter()
         self._last_cpu = time.process_time()
+
+    def start(self) -> None:
+        """A decode begins: the time since the last lap (between decodes) belongs to no part."""
+        self.sync()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
+        self._pending = {}
 
     def lap(self, name: str) -> None:
         self.sync()
