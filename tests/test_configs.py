@@ -101,6 +101,24 @@ def test_data_cache_folder_names_the_target_files_not_their_place(tmp_path):
     assert data_dir(copy) != data_dir(src)
 
 
+def test_signatures_recorded_with_the_folder_still_match(tmp_path):
+    """Data regenerated before signatures left out the folder recorded its path, weight sizes and mtimes: it still
+    matches the same files (wherever they are now) on config.json and weight sizes, and not other files."""
+    import hashlib
+    import json
+
+    from experiments.data.target import signature_matches, target_signature
+
+    src = ROOT / "experiments" / "assets" / "tiny_target"
+    legacy = {"path": "/elsewhere/tiny_target",
+              "config_sha1": hashlib.sha1((src / "config.json").read_bytes()).hexdigest(),
+              "weights": {"model.safetensors": [(src / "model.safetensors").stat().st_size, 12345]}}
+    assert signature_matches(legacy, str(src)) and signature_matches(target_signature(str(src)), str(src))
+    assert not signature_matches({**legacy, "config_sha1": "0" * 40}, str(src))
+    assert not signature_matches({**legacy, "weights": {"model.safetensors": [1, 12345]}}, str(src))
+    assert not signature_matches({}, str(src)) and json.dumps(target_signature(str(src))).find("tiny_target") == -1
+
+
 def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]

@@ -35,6 +35,20 @@ def target_signature(path: str) -> dict:
     return sig
 
 
+def signature_matches(recorded: dict, path: str) -> bool:
+    """Whether a recorded :func:`target_signature` names the target files at ``path``. A signature recorded before
+    signatures left out the folder (it holds ``path`` beside ``weights``: sizes and mtimes) is compared on
+    config.json's sha1 and the weight files' names and sizes."""
+    now = target_signature(path)
+    if recorded == now:
+        return True
+    if "path" in recorded and "weights" in recorded and "path" not in now:
+        def sizes(sig):
+            return {name: entry[0] for name, entry in sig.get("weights", {}).items()}
+        return recorded.get("config_sha1") == now.get("config_sha1") and sizes(recorded) == sizes(now)
+    return False
+
+
 def target_id(path: str) -> str:
     """A short hash of :func:`target_signature` (Hydra: ``${target_id:${target.path}}``, in cache folder names)."""
     return hashlib.sha1(json.dumps(target_signature(path), sort_keys=True).encode()).hexdigest()[:12]
