@@ -48,6 +48,7 @@ def per_step_ms(clock: StepClock, steps: int) -> dict[str, float]:
 
 def profile_suites(cfg) -> dict[str, dict[str, dict]]:
     """``{suite: {t_key: summary}}`` for the evaluation config ``cfg`` (``experiments.evaluate``'s)."""
+    # only the settings' keys: the rest of a composed (not run) config holds ${hydra:...} it cannot resolve
     fields = [f.name for f in dataclasses.fields(DecodingSettings)]
     settings = DecodingSettings.from_config(OmegaConf.masked_copy(cfg, [f for f in fields if f in cfg]))
     if settings.num_threads:
