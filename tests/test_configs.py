@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -215,6 +216,30 @@ def test_the_ablations_regime_is_the_main_jobs():
     evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
     limits = {name: suite.limit for name, suite in evaluated.suite.items()}
     assert limits == {name: suite.limit for name, suite in ablation.suite.items()}
+
+
+def test_the_deep_drafter_is_hinted_store_with_every_target_layer():
+    """experiment=deep_store: hinted_store's drafter, data and suites, with drafter.num_layers the target's
+    depth (resolved from its config.json, 6 for the embedded target) and its own budget (lr 1e-4, 300 steps)."""
+    deep = _compose("train", ["experiment=deep_store"])
+    store = _compose("train", ["experiment=hinted_store"])
+    depth = json.loads((Path(OmegaConf.select(deep, "target.path")) / "config.json").read_text())["num_hidden_layers"]
+    assert deep.drafter.num_layers == depth == 6
+    assert {**OmegaConf.to_container(deep.drafter, resolve=True), "num_layers": 2} == \
+        OmegaConf.to_container(store.drafter, resolve=True)
+    for key in ("data", "suite", "evaluate.enabled"):
+        assert _regime(deep)[key] == _regime(store)[key], key
+    assert (deep.train.max_steps, deep.optimizer.lr) == (300, 1.0e-4)
+
+
+def test_target_depth_reads_the_config_or_names_the_path(tmp_path):
+    from experiments.data.target import target_depth
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 5}))
+    assert target_depth(str(tmp_path)) == 5
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=re.escape(f"target.path={tmp_path}")):
+        target_depth(str(tmp_path))
 
 
 def test_the_long_run_lengthens_the_regime():

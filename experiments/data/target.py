@@ -54,6 +54,23 @@ def target_id(path: str) -> str:
     return hashlib.sha1(json.dumps(target_signature(path), sort_keys=True).encode()).hexdigest()[:12]
 
 
+def target_depth(path: str) -> int:
+    """The target's number of layers, ``num_hidden_layers`` of its config (Hydra: ``${target_depth:${target.path}}``,
+    e.g. a drafter with every one of the target's layers). A local folder's config.json, else the hub's."""
+    local = Path(os.path.expanduser(str(path)))
+    if (local / "config.json").is_file():
+        config = read_json(local / "config.json", "target config")
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path)).to_dict()
+    depth = config.get("num_hidden_layers", config.get("text_config", {}).get("num_hidden_layers"))
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"target.path={path}: its config has no num_hidden_layers (got {depth!r}); "
+                         "set drafter.num_layers yourself")
+    return depth
+
+
 def _ends_sha1(path: Path, size: int = 1 << 20) -> str:
     with open(path, "rb") as f:
         head = f.read(size)
