@@ -25,10 +25,12 @@ def build_block_attention_mask(
     context_len: int,
     context_valid: torch.Tensor | None = None,  # (Bt, S) bool, False = padding / hole column
     anchor_valid: torch.Tensor | None = None,  # (Bt, A) bool, False = padding anchor
+    causal_anchor: bool = False,
 ) -> torch.Tensor:
     """Boolean attention mask ``(Bt, 1, A*block_size, S + A*block_size)``, True = may attend.
 
-    ``S = context_len``. The result broadcasts over heads in ``F.scaled_dot_product_attention``.
+    ``S = context_len``. The result broadcasts over heads in ``F.scaled_dot_product_attention``. With
+    ``causal_anchor`` each block's anchor (its slot 0) sees no other slot of its block (:func:`own_block_mask`).
     """
     if anchors.dim() != 2:
         raise ValueError(f"anchors must be (Bt, A), got shape {tuple(anchors.shape)}")
@@ -58,9 +60,19 @@ def build_block_attention_mask(
     # Block part: block-diagonal, every slot sees all slots of its own block.
     block_of = torch.arange(num_blocks * block_size, device=device) // block_size  # (A*B,)
     blk = block_of.view(-1, 1) == block_of.view(1, -1)  # (A*B, A*B)
+    if causal_anchor:
+        blk = blk & own_block_mask(block_size, device).repeat(num_blocks, num_blocks)
     blk = blk.unsqueeze(0).expand(bt, -1, -1)  # (Bt, A*B, A*B)
 
     return torch.cat([ctx, blk], dim=-1).unsqueeze(1)  # (Bt, 1, A*B, S + A*B)
+
+
+def own_block_mask(block_size: int, device=None) -> torch.Tensor:
+    """(B, B) bool, query slot x key slot inside one block under ``causal_anchor``: all True except the
+    anchor's row, which keeps only itself."""
+    own = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    own[0, 1:] = False
+    return own
 
 
 def block_mask_subset(mask: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -49,6 +49,10 @@ class DrafterConfig:
     # Slot k's logits come from block position k - 1 (the anchor predicts the next token, as in a causal
     # LM) instead of position k (DFlash: the anchor's output is unused, MASK slot k predicts token k).
     shifted: bool = False
+    # The anchor (block position 0) attends to the context and itself only, not to the block's other slots
+    # (they still see it and each other). Shifted, with every target layer copied, the anchor's output is
+    # then the target's own next-token prediction before any training (README, "The deep drafter").
+    causal_anchor: bool = False
     # Block slots 1..K read the continuation prompt lookup proposes from the row's own tokens up to the
     # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
     lookup_hints: bool = False

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from drafters.attention import own_block_mask
 from drafters.config import DrafterConfig
 
 
@@ -45,6 +46,7 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.causal_anchor = cfg.causal_anchor  # the anchor sees no other slot of its block
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
@@ -77,7 +79,8 @@ class DrafterAttention(nn.Module):
         if groups > 1:
             k, v, ctx_k, ctx_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, ctx_k, ctx_v))
         if q.device.type == "cpu":  # the fused kernel would score every block's slots; see block_attention
-            out = block_attention(q, k, v, ctx_k, ctx_v, mask[..., : ctx_k.shape[2]], block_size)
+            own = own_block_mask(block_size, q.device) if self.causal_anchor else None
+            out = block_attention(q, k, v, ctx_k, ctx_v, mask[..., : ctx_k.shape[2]], block_size, own)
         else:  # the fused kernel never holds the (N, S) scores: the memory a GPU-sized step needs
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (Bt, h, S + N, d)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
@@ -85,13 +88,14 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out)
 
 
-def block_attention(q, k, v, ctx_k, ctx_v, context_mask, block_size: int) -> torch.Tensor:
+def block_attention(q, k, v, ctx_k, ctx_v, context_mask, block_size: int, own_mask=None) -> torch.Tensor:
     """Attention of A blocks' slots over the context keys ``context_mask`` allows and their own block's keys.
 
     q, k, v: (Bt, h, N, d), N = A * block_size, block-major; ctx_k, ctx_v: (Bt, h, S, d); context_mask:
     (Bt, 1, N, S) bool. Returns (Bt, h, N, d): scaled_dot_product_attention under
     :func:`drafters.attention.build_block_attention_mask` (whose other-block part is all False), scoring
     S + block_size keys per slot instead of S + N (a third of the work at S = 300, A = 32, block 16).
+    own_mask: (B, B) bool, which slots of its own block each slot sees (None: all; ``causal_anchor``).
     """
     bt, h, n, d = q.shape
     blocks = n // block_size
@@ -99,6 +103,8 @@ def block_attention(q, k, v, ctx_k, ctx_v, context_mask, block_size: int) -> tor
     context = (q @ ctx_k.transpose(-1, -2) * scale).masked_fill(~context_mask, float("-inf"))  # (Bt, h, N, S)
     qb = q.reshape(bt, h, blocks, block_size, d)
     own = qb @ k.reshape(bt, h, blocks, block_size, d).transpose(-1, -2) * scale  # (Bt, h, A, B, B)
+    if own_mask is not None:
+        own = own.masked_fill(~own_mask, float("-inf"))
     p = torch.cat([context, own.reshape(bt, h, n, block_size)], dim=-1).softmax(-1)  # (Bt, h, N, S + B)
     s = ctx_k.shape[2]
     own_out = p[..., s:].reshape(bt, h, blocks, block_size, block_size) @ v.reshape(bt, h, blocks, block_size, d)
@@ -185,7 +191,7 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
     The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
     ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
     the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1,
-    start + N) is shared by all slots. With ``keep`` (the last layer: the drafted slots) the queries,
+    start + N) is shared by all slots (with ``causal_anchor``, the anchor's row is cut to itself). With ``keep`` (the last layer: the drafted slots) the queries,
     the MLP and the returned states are those slots only: no head reads the other slot's output.
     """
     attn = layer.attn
@@ -195,8 +201,13 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
     k_buffer[:, :, start:end] = k
     v_buffer[:, :, start:end] = v
     keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
+    if attn.causal_anchor:  # (B, 1, N, start + N): the anchor's row sees the context and itself only
+        own = torch.ones(x.shape[1], end, dtype=torch.bool, device=x.device)
+        own[0, start + 1:] = False
+        mask = mask & own
     if keep is not None:
         h, x, cos, sin = h[:, keep].contiguous(), x[:, keep], cos[:, keep], sin[:, keep]
+        mask = mask[:, :, keep] if mask.shape[2] > 1 else mask
     q = attn._heads(attn.q_proj(h), attn.num_heads)
     if attn.q_norm is not None:
         q = attn.q_norm(q)

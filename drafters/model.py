@@ -427,7 +427,8 @@ class BlockDiffusionDrafter(nn.Module):
             position_ids = (m.cumsum(-1) - 1).clamp(min=0)
         kv = self.context_kv(states, position_ids)
         cols = anchors.clamp(0, seq - 1)  # padding anchors may hold any index
-        mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask)
+        mask = build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask,
+                                          self.config.causal_anchor)
         real = context_mask if context_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         folds = None
         if self.config.store_hints and self.training:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from drafters.attention import block_mask_subset, build_block_attention_mask
+from drafters.attention import block_mask_subset, build_block_attention_mask, own_block_mask
 
 
-def brute_force_mask(anchors, block_size, context_len, context_valid, anchor_valid):
+def brute_force_mask(anchors, block_size, context_len, context_valid, anchor_valid, causal_anchor=False):
     bt, num_blocks = anchors.shape
     n = num_blocks * block_size
     mask = torch.zeros(bt, 1, n, context_len + n, dtype=torch.bool)
@@ -18,19 +18,22 @@ def brute_force_mask(anchors, block_size, context_len, context_valid, anchor_val
                     ok = kj < anchors[b, a] and context_valid[b, kj] and anchor_valid[b, a]
                 else:
                     ok = (kj - context_len) // block_size == a
+                    if causal_anchor and qi % block_size == 0:  # the anchor sees itself only in its block
+                        ok = kj - context_len == qi
                 mask[b, 0, qi, kj] = bool(ok)
     return mask
 
 
+@pytest.mark.parametrize("causal_anchor", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_brute_force_on_random_anchors(seed):
+def test_matches_brute_force_on_random_anchors(seed, causal_anchor):
     g = torch.Generator().manual_seed(seed)
     bt, num_blocks, block_size, seq = 3, 4, 3, 11
     anchors = torch.randint(0, seq, (bt, num_blocks), generator=g)
     context_valid = torch.rand(bt, seq, generator=g) > 0.3
     anchor_valid = torch.rand(bt, num_blocks, generator=g) > 0.25
-    got = build_block_attention_mask(anchors, block_size, seq, context_valid, anchor_valid)
-    want = brute_force_mask(anchors, block_size, seq, context_valid, anchor_valid)
+    got = build_block_attention_mask(anchors, block_size, seq, context_valid, anchor_valid, causal_anchor)
+    want = brute_force_mask(anchors, block_size, seq, context_valid, anchor_valid, causal_anchor)
     assert got.shape == (bt, 1, num_blocks * block_size, seq + num_blocks * block_size)
     assert got.dtype == torch.bool
     assert torch.equal(got, want)
@@ -74,7 +77,8 @@ def test_bad_shapes_are_named():
         build_block_attention_mask(torch.zeros(3, dtype=torch.long), 4, 5)
 
 
-def test_block_attention_is_sdpa_under_the_block_mask():
+@pytest.mark.parametrize("causal_anchor", [False, True])
+def test_block_attention_is_sdpa_under_the_block_mask(causal_anchor):
     """drafters.layers.block_attention (the CPU training path) = scaled_dot_product_attention over
     [context, every block's slots] under build_block_attention_mask, outputs and gradients, with padding
     anchors (context hidden) and padding columns."""
@@ -86,12 +90,12 @@ def test_block_attention_is_sdpa_under_the_block_mask():
     bt, h, blocks, bs, seq, d = 2, 3, 4, 5, 13, 8
     anchors = torch.randint(0, seq, (bt, blocks), generator=g)
     context_valid, anchor_valid = torch.rand(bt, seq, generator=g) > 0.2, torch.rand(bt, blocks, generator=g) > 0.3
-    mask = build_block_attention_mask(anchors, bs, seq, context_valid, anchor_valid)
+    mask = build_block_attention_mask(anchors, bs, seq, context_valid, anchor_valid, causal_anchor)
     q, k, v = (torch.randn(bt, h, blocks * bs, d, generator=g, requires_grad=True) for _ in range(3))
     ctx_k, ctx_v = (torch.randn(bt, h, seq, d, generator=g, requires_grad=True) for _ in range(2))
     inputs = (q, k, v, ctx_k, ctx_v)
     want = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), attn_mask=mask)
-    got = block_attention(q, k, v, ctx_k, ctx_v, mask[..., :seq], bs)
+    got = block_attention(q, k, v, ctx_k, ctx_v, mask[..., :seq], bs, own_block_mask(bs) if causal_anchor else None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     grad_out = torch.randn(want.shape, generator=g)
     want_grads = torch.autograd.grad(want, inputs, grad_out)

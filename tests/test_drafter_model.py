@@ -49,22 +49,25 @@ def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
-DESIGNS = ["dflash", "layerwise", "hinted", "refined"]
+DESIGNS = ["dflash", "layerwise", "hinted", "refined", "deep"]
 
 
 def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
     """``dflash``: the default drafter; ``layerwise``: 2 layers reading the target's hidden states 0 and 1
     each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2);
     ``hinted``: layerwise with prompt-lookup hints in the block slots; ``refined``: hinted with two
-    refinement passes (eval mode, so that training's forward does what drafting does)."""
+    refinement passes (eval mode, so that training's forward does what drafting does); ``deep``: hinted with
+    every target layer and ``causal_anchor``."""
     if design == "dflash":
         return BlockDiffusionDrafter.from_target(target, **kwargs)
     copy = hasattr(getattr(target, "model", None), "layers")
     if design == "refined":
         kwargs = {"refine_passes": 2, **kwargs}
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
-                                                init_layers_from_target=copy, qk_norm=not copy,
-                                                lookup_hints=design in ("hinted", "refined"), **kwargs)
+    if design == "deep":
+        kwargs = {"num_layers": target.config.num_hidden_layers, "causal_anchor": True, **kwargs}
+    drafter = BlockDiffusionDrafter.from_target(target, **{"num_layers": 2, **kwargs}, layerwise_context=True,
+                                                shifted=True, init_layers_from_target=copy, qk_norm=not copy,
+                                                lookup_hints=design in ("hinted", "refined", "deep"))
     return drafter.eval() if design == "refined" else drafter
 
 
@@ -294,7 +297,8 @@ def test_target_weights_not_in_drafter_state(target_and_drafter):
     assert not any(("embed" in k or "lm_head" in k or "wte" in k) for k in keys)
     target_ptrs = {p.data_ptr() for p in target.parameters()}
     assert not any(t.data_ptr() in target_ptrs for t in drafter.state_dict().values())
-    assert sum(p.numel() for p in drafter.parameters()) < sum(p.numel() for p in target.parameters())
+    if drafter.config.num_layers < target.config.num_hidden_layers:  # a deep drafter has every layer, no embedding
+        assert sum(p.numel() for p in drafter.parameters()) < sum(p.numel() for p in target.parameters())
     assert not target.get_input_embeddings().weight.requires_grad
 
 
@@ -490,6 +494,31 @@ def test_shifted_layerwise_drafter_starts_drafting_the_embedded_targets_next_tok
             total += anchors.shape[1]
         agreement[shifted] = hits / total
     assert agreement[True] >= at_least and agreement[False] <= 0.3, agreement
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("causal_anchor", [True, False])
+def test_untrained_drafter_with_every_target_layer_and_causal_anchor_is_the_target_at_slot_1(arch, causal_anchor):
+    """Every layer copied, shifted, layerwise: with ``causal_anchor`` the anchor's output (slot 1) is the
+    target's own next-token logits at the anchor, in training and at inference; without it the anchor also
+    reads the block's MASK slots, which move those logits."""
+    target = build_target(arch)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=5, num_layers=3, layerwise_context=True,
+                                                shifted=True, init_layers_from_target=True, qk_norm=False,
+                                                causal_anchor=causal_anchor)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        anchors = torch.tensor([[3, 7, 11], [0, 5, 9]])
+        slot1 = drafter.forward_train(out.hidden_states, ids, None, anchors)[:, :, 0]  # (2, A, V)
+        drafter.reset(2)
+        drafter.extend(ids[:, :7], torch.ones(2, 7, dtype=torch.long), torch.arange(7).expand(2, 7),
+                       [out.hidden_states[i][:, :7] for i in drafter.target_layer_ids])
+        drafted = drafter.draft_logits(ids[:, 7], torch.full((2,), 7))[:, 0]  # (2, V)
+    want = out.logits.gather(1, anchors[..., None].expand(-1, -1, out.logits.shape[-1]))  # (2, A, V)
+    close = torch.allclose(slot1, want, atol=1e-4, rtol=1e-4)
+    assert close == causal_anchor
+    assert torch.allclose(drafted, out.logits[:, 7], atol=1e-4, rtol=1e-4) == causal_anchor
 
 
 def test_layerwise_config_errors():
