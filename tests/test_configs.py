@@ -204,15 +204,17 @@ def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
 
 
 def test_the_ablations_regime_is_the_main_jobs():
-    """conf/main.yaml restates conf/regime/ablation.yaml as its stages' overrides: they must agree."""
+    """conf/main.yaml restates experiment=deep_store (the regime's data and suites, its own drafter and budget) as
+    its stages' overrides: they must agree."""
     main = _compose("main")
     trained = _compose("train", [*main.data_overrides, *main.train_overrides])
+    deep = _compose("train", ["experiment=deep_store"])
     ablation = _compose("train", ["experiment=l2r_ablation"])
     for key in ("data", "train.max_steps", "optimizer", "scheduler"):
-        assert _regime(trained)[key] == _regime(ablation)[key], key
-    hinted = _compose("train", ["experiment=hinted_store"])
-    assert trained.drafter == hinted.drafter  # experiment=hinted_store is the main job's drafter at the regime
-    assert trained.drafter.store_hints
+        assert _regime(trained)[key] == _regime(deep)[key], key
+    assert _regime(trained)["data"] == _regime(ablation)["data"]
+    assert OmegaConf.to_container(trained.drafter, resolve=True) == OmegaConf.to_container(deep.drafter, resolve=True)
+    assert trained.drafter.store_hints and trained.drafter.causal_anchor
     evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
     limits = {name: suite.limit for name, suite in evaluated.suite.items()}
     assert limits == {name: suite.limit for name, suite in ablation.suite.items()}
@@ -220,12 +222,13 @@ def test_the_ablations_regime_is_the_main_jobs():
 
 def test_the_deep_drafter_is_hinted_store_with_every_target_layer():
     """experiment=deep_store: hinted_store's drafter, data and suites, with drafter.num_layers the target's
-    depth (resolved from its config.json, 6 for the embedded target) and its own budget (lr 1e-4, 300 steps)."""
+    depth (resolved from its config.json, 6 for the embedded target), causal_anchor and its own budget (lr 1e-4,
+    300 steps)."""
     deep = _compose("train", ["experiment=deep_store"])
     store = _compose("train", ["experiment=hinted_store"])
     depth = json.loads((Path(OmegaConf.select(deep, "target.path")) / "config.json").read_text())["num_hidden_layers"]
     assert deep.drafter.num_layers == depth == 6
-    assert {**OmegaConf.to_container(deep.drafter, resolve=True), "num_layers": 2} == \
+    assert {**OmegaConf.to_container(deep.drafter, resolve=True), "num_layers": 2, "causal_anchor": False} == \
         OmegaConf.to_container(store.drafter, resolve=True)
     for key in ("data", "suite", "evaluate.enabled"):
         assert _regime(deep)[key] == _regime(store)[key], key
