@@ -190,9 +190,10 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
 
     The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
     ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
-    the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1,
-    start + N) is shared by all slots (with ``causal_anchor``, the anchor's row is cut to itself). With ``keep`` (the last layer: the drafted slots) the queries,
-    the MLP and the returned states are those slots only: no head reads the other slot's output.
+    the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1, start + N)
+    is shared by all slots, or (B, 1, N, start + N) per slot (``causal_anchor``). With ``keep`` (the last layer:
+    the drafted slots) the queries, the MLP and the returned states are those slots only: no head reads the
+    other slot's output.
     """
     attn = layer.attn
     h = layer.input_norm(x)
@@ -201,10 +202,6 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
     k_buffer[:, :, start:end] = k
     v_buffer[:, :, start:end] = v
     keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
-    if attn.causal_anchor:  # (B, 1, N, start + N): the anchor's row sees the context and itself only
-        own = torch.ones(x.shape[1], end, dtype=torch.bool, device=x.device)
-        own[0, start + 1:] = False
-        mask = mask & own
     if keep is not None:
         h, x, cos, sin = h[:, keep].contiguous(), x[:, keep], cos[:, keep], sin[:, keep]
         mask = mask[:, :, keep] if mask.shape[2] > 1 else mask

@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafters.attention import block_mask_subset, build_block_attention_mask
+from drafters.attention import block_mask_subset, build_block_attention_mask, own_block_mask
 from drafters.config import (
     FINGERPRINT_KEYS,
     DrafterConfig,
@@ -621,6 +621,8 @@ class BlockDiffusionDrafter(nn.Module):
         self._reserve(c + bs)
         self._mask_buffer[:, c : c + bs] = True  # block slots: past the cached columns, see each other
         mask = self._mask_buffer[:, None, None, : c + bs]  # (B, 1, 1, C + B), the same for every slot
+        if cfg.causal_anchor:  # (B, 1, B, C + B): the anchor's row sees no other block slot
+            mask = torch.cat([mask[..., :c].expand(-1, -1, bs, -1), mask[..., c:] & own_block_mask(bs, mask.device)], dim=-1)
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, B) [anchor, MASK x K]
         ids[:, 0] = anchor_ids.reshape(rows)
         if cfg.lookup_hints:  # the committed tokens (holes dropped) and the anchor, as training reads them

@@ -106,7 +106,6 @@ def test_signatures_recorded_with_the_folder_still_match(tmp_path):
     """Data regenerated before signatures left out the folder recorded its path, weight sizes and mtimes: it still
     matches the same files (wherever they are now) on config.json and weight sizes, and not other files."""
     import hashlib
-    import json
 
     from experiments.data.target import signature_matches, target_signature
 
