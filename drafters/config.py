@@ -51,7 +51,7 @@ class DrafterConfig:
     shifted: bool = False
     # The anchor (block position 0) attends to the context and itself only, not to the block's other slots
     # (they still see it and each other). Shifted, with every target layer copied, the anchor's output is
-    # then the target's own next-token prediction before any training (README, "The deep drafter").
+    # then the target's own next-token prediction before any training (experiments/results/HISTORY.md, "The deep drafter").
     causal_anchor: bool = False
     # Block slots 1..K read the continuation prompt lookup proposes from the row's own tokens up to the
     # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
