@@ -53,6 +53,12 @@ class DrafterConfig:
     # (they still see it and each other). Shifted, with every target layer copied, the anchor's output is
     # then the target's own next-token prediction before any training (experiments/results/HISTORY.md, "The deep drafter").
     causal_anchor: bool = False
+    # With causal_anchor and shifted: the anchor (slot 1's position) runs through frozen copies of each layer's
+    # query/output projections, post-attention norm and MLP, taken when the drafter is built; the other slots run
+    # through the trainable ones. The parts both read (input norms, key/value projections, q/k norms, the output
+    # norm) are frozen too, so training never moves slot 1: with every target layer copied it stays the target's
+    # own next token, and the losses train slots 2..K only.
+    frozen_anchor: bool = False
     # Block slots 1..K read the continuation prompt lookup proposes from the row's own tokens up to the
     # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
     lookup_hints: bool = False
@@ -105,6 +111,10 @@ class DrafterConfig:
                 f"layerwise_context: each of the {self.num_layers} drafter layers reads one target hidden "
                 f"state, but target_layer_ids {list(self.target_layer_ids)} lists {len(self.target_layer_ids)}"
             )
+        if self.frozen_anchor and not (self.causal_anchor and self.shifted):
+            raise ValueError(
+                f"frozen_anchor needs causal_anchor and shifted (slot 1 read from an anchor that sees no other slot), "
+                f"got causal_anchor={self.causal_anchor}, shifted={self.shifted}")
         if self.refine_passes < 0:
             raise ValueError(f"refine_passes must be >= 0, got {self.refine_passes}")
         if self.lookup_max_ngram < 1:

@@ -121,10 +121,10 @@ def reads_final_output(cfg: DrafterConfig) -> bool:
 def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
     """Raise :class:`DFlashFormatError` where DFlash cannot express ``drafter``; warn where vLLM cannot serve it."""
     cfg: DrafterConfig = drafter.config
-    if cfg.layerwise_context or cfg.shifted or cfg.causal_anchor:
+    if cfg.layerwise_context or cfg.shifted or cfg.causal_anchor or cfg.frozen_anchor:
         raise DFlashFormatError(
             f"drafter config layerwise_context={cfg.layerwise_context}, shifted={cfg.shifted}, "
-            f"causal_anchor={cfg.causal_anchor}: blockdraft's "
+            f"causal_anchor={cfg.causal_anchor}, frozen_anchor={cfg.frozen_anchor}: blockdraft's "
             "layerwise design, not DFlash's (one fused context for all layers, slot k read from block position "
             "k); it cannot be served as a DFlash drafter. Evaluate it with experiments.evaluate instead")
     if cfg.lookup_hints:

@@ -40,6 +40,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def by_slot(x: torch.Tensor, block_size: int, anchor_fn, slot_fn) -> torch.Tensor:
+    """``anchor_fn`` on each block's anchor (position 0), ``slot_fn`` on its other positions.
+
+    x: (Bt, N, *), block-major, N = A * block_size (at inference one block per row: block_size = N).
+    Returns (Bt, N, *'), the two results put back in place."""
+    bt, n = x.shape[:2]
+    blocks = x.reshape(bt, n // block_size, block_size, *x.shape[2:])  # (Bt, A, B, *)
+    out = torch.cat([anchor_fn(blocks[:, :, :1]), slot_fn(blocks[:, :, 1:])], dim=2)
+    return out.reshape(bt, n, *out.shape[3:])
+
+
 class DrafterAttention(nn.Module):
     """Block queries attend to [context keys/values, block keys/values] under a boolean mask."""
 
@@ -55,9 +66,27 @@ class DrafterAttention(nn.Module):
         # Qwen3's per-head RMSNorm over head_dim, applied to queries and keys before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # frozen_anchor: the anchor's own (frozen) query/output projections; copied by sync_anchor_path
+        self.anchor_q_proj = self.anchor_o_proj = None
+        if cfg.frozen_anchor:
+            self.anchor_q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+            self.anchor_o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+            for module in (self.k_proj, self.v_proj, self.q_norm, self.k_norm, self.anchor_q_proj, self.anchor_o_proj):
+                if module is not None:
+                    module.requires_grad_(False)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+
+    def query(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, H) -> (Bt, N, h*d), before heads
+        if self.anchor_q_proj is None:
+            return self.q_proj(x)
+        return by_slot(x, block_size, self.anchor_q_proj, self.q_proj)
+
+    def output(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, h*d) -> (Bt, N, H)
+        if self.anchor_o_proj is None:
+            return self.o_proj(x)
+        return by_slot(x, block_size, self.anchor_o_proj, self.o_proj)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated keys and values (Bt, h_kv, N, d) of x (Bt, N, H) at the positions of cos/sin."""
@@ -70,7 +99,7 @@ class DrafterAttention(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
         # x (Bt, N, H) normalised block states, N = A blocks x block_size; ctx_k/ctx_v (Bt, h_kv, S, d);
         # mask (Bt, 1, N, S + N) from drafters.attention.build_block_attention_mask
-        q = self._heads(self.q_proj(x), self.num_heads)
+        q = self._heads(self.query(x, block_size), self.num_heads)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q, cos, sin)  # (Bt, h, N, d)
@@ -85,7 +114,7 @@ class DrafterAttention(nn.Module):
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (Bt, h, S + N, d)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N, h*d)
-        return self.o_proj(out)
+        return self.output(out, block_size)
 
 
 def block_attention(q, k, v, ctx_k, ctx_v, context_mask, block_size: int, own_mask=None) -> torch.Tensor:
@@ -131,6 +160,13 @@ class DrafterLayer(nn.Module):
         self.attn = DrafterAttention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        # frozen_anchor: the anchor's own (frozen) post-attention norm and MLP; the input norm, which the
+        # context also reads, is frozen for every slot
+        self.anchor_post_attn_norm = self.anchor_mlp = None
+        if cfg.frozen_anchor:
+            self.anchor_post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).requires_grad_(False)
+            self.anchor_mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size).requires_grad_(False)
+            self.input_norm.requires_grad_(False)
 
     #: Recompute the layer's activations in the backward pass (torch.utils.checkpoint) instead of keeping
     #: them: the activation memory of a training step drops to the layers' inputs, for one more forward
@@ -145,7 +181,23 @@ class DrafterLayer(nn.Module):
 
     def _forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
         x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask, block_size)
-        return x + self.mlp(self.post_attn_norm(x))
+        return x + self.feed_forward(x, block_size)
+
+    def feed_forward(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, H) -> (Bt, N, H)
+        """The MLP branch; under ``frozen_anchor`` each block's anchor goes through the frozen copy."""
+        if self.anchor_mlp is None:
+            return self.mlp(self.post_attn_norm(x))
+        return by_slot(x, block_size, lambda a: self.anchor_mlp(self.anchor_post_attn_norm(a)),
+                       lambda s: self.mlp(self.post_attn_norm(s)))
+
+    @torch.no_grad()
+    def sync_anchor_path(self) -> None:
+        """frozen_anchor: set the anchor's frozen copies to the layer's current weights (when it is built)."""
+        pairs = [(self.attn.anchor_q_proj, self.attn.q_proj), (self.attn.anchor_o_proj, self.attn.o_proj),
+                 (self.anchor_post_attn_norm, self.post_attn_norm), (self.anchor_mlp, self.mlp)]
+        for frozen, live in pairs:
+            if frozen is not None:
+                frozen.load_state_dict(live.state_dict())
 
 
 # Drafter layer parameter -> the same parameter of a Llama/Qwen-style target decoder layer.
@@ -205,7 +257,8 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
     if keep is not None:
         h, x, cos, sin = h[:, keep].contiguous(), x[:, keep], cos[:, keep], sin[:, keep]
         mask = mask[:, :, keep] if mask.shape[2] > 1 else mask
-    q = attn._heads(attn.q_proj(h), attn.num_heads)
+    rows = h.shape[1]  # N' slots of one block, the anchor first (keep starts at 0 under frozen_anchor)
+    q = attn._heads(attn.query(h, rows), attn.num_heads)
     if attn.q_norm is not None:
         q = attn.q_norm(q)
     q = apply_rope(q, cos, sin)  # (B, h, N', d)
@@ -213,5 +266,5 @@ def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, h, N', d)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-    return x + layer.mlp(layer.post_attn_norm(x))
+    x = x + attn.output(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1), rows)
+    return x + layer.feed_forward(x, rows)

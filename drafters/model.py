@@ -101,6 +101,9 @@ class BlockDiffusionDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=module.in_features ** -0.5)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        if config.frozen_anchor:  # the output norm is read by the anchor too
+            self.norm.requires_grad_(False)
+        self.sync_anchor_path()
         # The frozen target, kept outside the module tree: not in state_dict(), parameters() or .to().
         object.__setattr__(self, "_target", None)
         # Inference cache: per layer (k, v) of shape (B, h_kv, C, d), and the column mask (B, C).
@@ -194,7 +197,15 @@ class BlockDiffusionDrafter(nn.Module):
         if init_layers_from_target:  # layer i <- the target layer whose input it reads (layerwise), else layer i
             copy_target_layers(drafter, target, sources=drafter.target_layer_ids if drafter.config.layerwise_context
                                else None)
+        drafter.sync_anchor_path()
         return drafter.set_gradient_checkpointing(gradient_checkpointing)
+
+    def sync_anchor_path(self) -> BlockDiffusionDrafter:
+        """With ``frozen_anchor``: the anchor's frozen copies := each layer's current weights (at construction,
+        after any warm start; a saved drafter loads its own). A no-op otherwise. Returns the drafter."""
+        for layer in self.layers:
+            layer.sync_anchor_path()
+        return self
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> BlockDiffusionDrafter:
         """Recompute each drafter layer's activations in the backward pass (``torch.utils.checkpoint``)

@@ -49,7 +49,7 @@ def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
-DESIGNS = ["dflash", "layerwise", "hinted", "refined", "deep"]
+DESIGNS = ["dflash", "layerwise", "hinted", "refined", "deep", "frozen"]
 
 
 def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
@@ -57,17 +57,18 @@ def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
     each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2);
     ``hinted``: layerwise with prompt-lookup hints in the block slots; ``refined``: hinted with two
     refinement passes (eval mode, so that training's forward does what drafting does); ``deep``: hinted with
-    every target layer and ``causal_anchor``."""
+    every target layer and ``causal_anchor``; ``frozen``: deep with ``frozen_anchor``."""
     if design == "dflash":
         return BlockDiffusionDrafter.from_target(target, **kwargs)
     copy = hasattr(getattr(target, "model", None), "layers")
     if design == "refined":
         kwargs = {"refine_passes": 2, **kwargs}
-    if design == "deep":
-        kwargs = {"num_layers": target.config.num_hidden_layers, "causal_anchor": True, **kwargs}
+    if design in ("deep", "frozen"):
+        kwargs = {"num_layers": target.config.num_hidden_layers, "causal_anchor": True,
+                  "frozen_anchor": design == "frozen", **kwargs}
     drafter = BlockDiffusionDrafter.from_target(target, **{"num_layers": 2, **kwargs}, layerwise_context=True,
                                                 shifted=True, init_layers_from_target=copy, qk_norm=not copy,
-                                                lookup_hints=design in ("hinted", "refined", "deep"))
+                                                lookup_hints=design in ("hinted", "refined", "deep", "frozen"))
     return drafter.eval() if design == "refined" else drafter
 
 
@@ -519,6 +520,60 @@ def test_untrained_drafter_with_every_target_layer_and_causal_anchor_is_the_targ
     close = torch.allclose(slot1, want, atol=1e-4, rtol=1e-4)
     assert close == causal_anchor
     assert torch.allclose(drafted, out.logits[:, 7], atol=1e-4, rtol=1e-4) == causal_anchor
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_a_frozen_anchor_drafter_moves_slots_2_to_K_never_slot_1(arch):
+    """``frozen_anchor``: after optimiser steps on every slot, slot 1 is still the target's own next-token logits
+    (training forward and inference) while the other slots moved; without the flag the same steps move slot 1."""
+    from drafters.optim import weight_decay_groups
+
+    target = build_target(arch)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[3, 7, 8], [0, 7, 9]])  # block 1 of each row: anchor 7, the one drafted below
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    want = out.logits.gather(1, anchors[..., None].expand(-1, -1, out.logits.shape[-1]))  # (2, A, V)
+    moved = {}
+    for frozen in (True, False):
+        torch.manual_seed(0)
+        drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=target.config.num_hidden_layers,
+                                                    layerwise_context=True, shifted=True, init_layers_from_target=True,
+                                                    qk_norm=False, causal_anchor=True, frozen_anchor=frozen)
+        before = drafter.forward_train(out.hidden_states, ids, None, anchors).detach()  # (2, A, K, V)
+        optimizer = torch.optim.AdamW(weight_decay_groups(drafter), lr=1e-2, weight_decay=0.1)
+        labels = torch.randint(0, VOCAB, before.shape[:-1], generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            logits = drafter.forward_train(out.hidden_states, ids, None, anchors)
+            loss = nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            after = drafter.forward_train(out.hidden_states, ids, None, anchors)
+            drafter.reset(2)
+            drafter.extend(ids[:, :7], torch.ones(2, 7, dtype=torch.long), torch.arange(7).expand(2, 7),
+                           [out.hidden_states[i][:, :7] for i in drafter.target_layer_ids])
+            drafted = drafter.draft_logits(ids[:, 7], torch.full((2,), 7))  # (2, K, V)
+        assert torch.allclose(before[..., 0, :], want, atol=1e-4, rtol=1e-4)  # untrained: the target's own
+        assert (after[..., 1:, :] - before[..., 1:, :]).abs().max() > 1e-2  # slots 2..K trained either way
+        assert torch.allclose(drafted[:, 1:], after[:, 1, 1:], atol=1e-4, rtol=1e-4)  # inference = training
+        moved[frozen] = (after[..., 0, :] - want).abs().max().item(), (drafted[:, 0] - out.logits[:, 7]).abs().max().item()
+    assert max(moved[True]) < 1e-4 and min(moved[False]) > 1e-2, moved
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert "layers.0.mlp.up_proj.weight" in trainable and "layers.0.attn.k_proj.weight" in trainable  # unfrozen run
+
+
+def test_frozen_anchor_needs_a_causal_shifted_anchor():
+    target = build_target("llama")
+    with pytest.raises(ValueError, match="frozen_anchor needs causal_anchor and shifted"):
+        BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True, frozen_anchor=True)
+    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
+                                                causal_anchor=True, frozen_anchor=True)
+    frozen = {n for n, p in drafter.named_parameters() if not p.requires_grad}
+    assert {"norm.weight", "layers.1.input_norm.weight", "layers.1.attn.k_proj.weight", "layers.1.attn.v_proj.weight",
+            "layers.1.attn.anchor_q_proj.weight", "layers.1.anchor_mlp.down_proj.weight"} <= frozen
+    assert not frozen & {"layers.1.attn.q_proj.weight", "layers.1.attn.o_proj.weight", "layers.1.mlp.gate_proj.weight"}
 
 
 def test_layerwise_config_errors():
