@@ -203,17 +203,17 @@ def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
 
 
 def test_the_ablations_regime_is_the_main_jobs():
-    """conf/main.yaml restates experiment=deep_store (the regime's data and suites, its own drafter and budget) as
+    """conf/main.yaml restates experiment=deep_frozen (the regime's data and suites, its own drafter and budget) as
     its stages' overrides: they must agree."""
     main = _compose("main")
     trained = _compose("train", [*main.data_overrides, *main.train_overrides])
-    deep = _compose("train", ["experiment=deep_store"])
+    deep = _compose("train", ["experiment=deep_frozen"])
     ablation = _compose("train", ["experiment=l2r_ablation"])
     for key in ("data", "train.max_steps", "optimizer", "scheduler"):
         assert _regime(trained)[key] == _regime(deep)[key], key
     assert _regime(trained)["data"] == _regime(ablation)["data"]
     assert OmegaConf.to_container(trained.drafter, resolve=True) == OmegaConf.to_container(deep.drafter, resolve=True)
-    assert trained.drafter.store_hints and trained.drafter.causal_anchor
+    assert trained.drafter.store_hints and trained.drafter.causal_anchor and trained.drafter.frozen_anchor
     evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
     limits = {name: suite.limit for name, suite in evaluated.suite.items()}
     assert limits == {name: suite.limit for name, suite in ablation.suite.items()}
@@ -232,6 +232,11 @@ def test_the_deep_drafter_is_hinted_store_with_every_target_layer():
     for key in ("data", "suite", "evaluate.enabled"):
         assert _regime(deep)[key] == _regime(store)[key], key
     assert (deep.train.max_steps, deep.optimizer.lr) == (300, 1.0e-4)
+    frozen = _compose("train", ["experiment=deep_frozen"])
+    assert {**OmegaConf.to_container(frozen.drafter, resolve=True), "frozen_anchor": False} == \
+        OmegaConf.to_container(deep.drafter, resolve=True) and frozen.drafter.frozen_anchor
+    for key in ("data", "suite", "train.max_steps", "optimizer", "scheduler"):
+        assert _regime(frozen)[key] == _regime(deep)[key], key
 
 
 def test_target_depth_reads_the_config_or_names_the_path(tmp_path):
