@@ -71,9 +71,6 @@ class DrafterAttention(nn.Module):
         if cfg.frozen_anchor:
             self.anchor_q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
             self.anchor_o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
-            for module in (self.k_proj, self.v_proj, self.q_norm, self.k_norm, self.anchor_q_proj, self.anchor_o_proj):
-                if module is not None:
-                    module.requires_grad_(False)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
@@ -160,13 +157,17 @@ class DrafterLayer(nn.Module):
         self.attn = DrafterAttention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        # frozen_anchor: the anchor's own (frozen) post-attention norm and MLP; the input norm, which the
-        # context also reads, is frozen for every slot
+        # frozen_anchor: the anchor's own post-attention norm and MLP. Frozen: the anchor's copies, and what every
+        # slot (and the context) reads: the input norm, the key/value projections and the q/k norms.
         self.anchor_post_attn_norm = self.anchor_mlp = None
         if cfg.frozen_anchor:
-            self.anchor_post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).requires_grad_(False)
-            self.anchor_mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size).requires_grad_(False)
-            self.input_norm.requires_grad_(False)
+            self.anchor_post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.anchor_mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            a = self.attn
+            for module in (self.anchor_post_attn_norm, self.anchor_mlp, a.anchor_q_proj, a.anchor_o_proj,
+                           self.input_norm, a.k_proj, a.v_proj, a.q_norm, a.k_norm):
+                if module is not None:
+                    module.requires_grad_(False)
 
     #: Recompute the layer's activations in the backward pass (torch.utils.checkpoint) instead of keeping
     #: them: the activation memory of a training step drops to the layers' inputs, for one more forward
