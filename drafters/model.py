@@ -57,6 +57,7 @@ from drafters.config import (
 )
 from drafters.hints import HintStore, compact_rows, lookup_hints
 from drafters.layers import DrafterLayer, RMSNorm, copy_target_layers, draft_layer, rope_cos_sin
+from drafters.shared_cache import same_keys_values, shareable_layers
 from verify.rejection import sample_tokens, warp_probs
 
 CONFIG_NAME = "config.json"
@@ -536,16 +537,54 @@ class BlockDiffusionDrafter(nn.Module):
     #: a shorter verified block can pay more than the accepted tokens it loses.
     max_draft_tokens: int | None = None
 
+    #: Read the context keys/values from the target's KV cache when the verifier offers it
+    #: (:meth:`bind_target_cache`) and they are the same numbers (:mod:`drafters.shared_cache`): a step then
+    #: computes and copies no context column, and the drafter keeps no cache of its own. False: always its own.
+    share_target_cache: bool = True
+
     def reset(self, batch_size: int) -> None:
         self._columns = 0
         self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
+        self._target_layers: list | None = None  # the target cache's layers offered by bind_target_cache
+        self._shared = False  # whether _target_layers' buffers are the context keys/values (decided at the first extend)
         self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.weight_ref.device)
         self._ids_buffer = torch.zeros(batch_size, 0, dtype=torch.long, device=self.weight_ref.device)  # lookup hints
         self._set_views()
 
+    def _kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (keys, values) buffers (B, h_kv, capacity, d): the drafter's own, or the target cache's."""
+        return [layer.buffers for layer in self._target_layers] if self._shared else self._kv_buffers
+
+    def bind_target_cache(self, cache) -> None:
+        """Offer the target's KV cache (the verifier, after :meth:`reset` and before the first :meth:`extend`).
+
+        The first ``extend`` computes its last columns' keys/values and compares them with the target's
+        (:func:`drafters.shared_cache.same_keys_values`); if they agree, the drafter reads its context from
+        the target's cache from then on (the verifier crops it to the committed columns and selects its rows
+        before calling :meth:`extend` and :meth:`select_rows`), else it keeps its own as without the offer.
+        """
+        self._require_cache()
+        if self._columns:
+            raise RuntimeError("bind_target_cache comes after reset and before the first extend")
+        share = self.share_target_cache and self.config.layerwise_context
+        self._target_layers = shareable_layers(cache, self.target_layer_ids) if share else None
+
+    def _decide_sharing(self, hidden_states, position_ids) -> None:
+        """At the first extend after :meth:`bind_target_cache`: share the target's cache if its last columns
+        (up to 4) hold this drafter's own keys/values."""
+        if self._target_layers is None or self._shared:
+            return
+        m = min(4, position_ids.shape[1])
+        kv = self.context_kv([h[:, -m:] for h in hidden_states], position_ids[:, -m:])
+        self._shared = same_keys_values(kv, self._target_layers, self._columns + position_ids.shape[1])
+        if not self._shared:
+            self._target_layers = None
+
     def _set_views(self) -> None:
         cfg, c = self.config, self._columns
-        if self._kv_buffers is None:
+        if self._shared:
+            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in self._kv()]
+        elif self._kv_buffers is None:
             empty = self.weight_ref.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
             self._cache_kv = [(empty, empty) for _ in self.layers]
         else:
@@ -554,6 +593,9 @@ class BlockDiffusionDrafter(nn.Module):
 
     def _reserve(self, columns: int) -> None:
         """Room for ``columns`` columns in the buffers (they grow by a quarter, at least 64 columns)."""
+        if self._shared:  # the block's scratch keys/values go just past the target's cached columns
+            for layer in self._target_layers:
+                layer.ensure_capacity(columns)
         capacity = self._mask_buffer.shape[1]
         # Buffers made under torch.inference_mode cannot be written outside it: copy them then.
         stale = self._mask_buffer.is_inference() and not torch.is_inference_mode_enabled()
@@ -567,6 +609,9 @@ class BlockDiffusionDrafter(nn.Module):
         mask[:, :c] = self._mask_buffer[:, :c]
         ids = torch.zeros(rows, capacity, dtype=torch.long, device=w.device)
         ids[:, :c] = self._ids_buffer[:, :c]
+        self._mask_buffer, self._ids_buffer = mask, ids
+        if self._shared:
+            return
         buffers = []
         for i in range(len(self.layers)):
             k = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
@@ -575,7 +620,7 @@ class BlockDiffusionDrafter(nn.Module):
                 k[:, :, :c] = self._kv_buffers[i][0][:, :, :c]
                 v[:, :, :c] = self._kv_buffers[i][1][:, :, :c]
             buffers.append((k, v))
-        self._kv_buffers, self._mask_buffer, self._ids_buffer = buffers, mask, ids
+        self._kv_buffers = buffers
 
     def _require_cache(self) -> None:
         if self._cache_kv is None or self._cache_mask is None:
@@ -599,12 +644,17 @@ class BlockDiffusionDrafter(nn.Module):
             raise ValueError(f"hidden states {shapes} do not match the new columns {(rows, n)}")
         if n == 0:
             return
-        kv = self.context_kv(hidden_states, position_ids)
+        self._decide_sharing(hidden_states, position_ids)
         c = self._columns
         self._reserve(c + n + self.config.block_size)  # room for the next draft's block too
-        for (k_buffer, v_buffer), (k, v) in zip(self._kv_buffers, kv):
-            k_buffer[:, :, c : c + n] = k
-            v_buffer[:, :, c : c + n] = v
+        if self._shared:  # the target has cached these columns' keys/values: check it holds exactly them
+            if any(layer.keys.shape[-2] != c + n or layer.keys.shape[0] != rows for layer in self._target_layers):
+                raise RuntimeError(f"the shared target cache holds {tuple(self._target_layers[0].keys.shape)} "
+                                   f"(B, h_kv, columns, d), expected {rows} rows and {c + n} columns")
+        else:
+            for (k_buffer, v_buffer), (k, v) in zip(self._kv_buffers, self.context_kv(hidden_states, position_ids)):
+                k_buffer[:, :, c : c + n] = k
+                v_buffer[:, :, c : c + n] = v
         self._mask_buffer[:, c : c + n] = attention_mask.bool()
         self._ids_buffer[:, c : c + n] = input_ids
         self._columns = c + n
@@ -648,7 +698,7 @@ class BlockDiffusionDrafter(nn.Module):
         """States (b, K, H) of the drafted slots of ``block`` (after ``config.refine_passes``) for ``rows``
         (b,) long, default every row. Other rows' cached columns are copied, not computed on."""
         ids, cos, sin, columns, mask = block
-        kv = self._kv_buffers
+        kv = self._kv()
         if rows is not None:  # the block's own keys/values are scratch: writing them into a copy is fine
             end = columns + ids.shape[1]
             ids, cos, sin, mask = ids[rows], cos[rows], sin[rows], mask[rows]
@@ -787,6 +837,8 @@ class BlockDiffusionDrafter(nn.Module):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._require_cache()
+        if self._shared and self._target_layers[0].keys.shape[0] != rows.shape[0]:
+            raise RuntimeError("select the shared target cache's rows (batch_select_indices) before the drafter's")
         if self._kv_buffers is not None:
             self._kv_buffers = [(k[rows], v[rows]) for k, v in self._kv_buffers]
         self._mask_buffer, self._ids_buffer = self._mask_buffer[rows], self._ids_buffer[rows]

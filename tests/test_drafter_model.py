@@ -416,6 +416,49 @@ def test_greedy_speculative_decoding_equals_target_greedy(family, lengths, desig
     assert all(0 <= n <= 3 for counts in out.accepted_counts for n in counts)
 
 
+def _counting(select_rows, calls: list):
+    """``select_rows`` that appends the number of rows kept to ``calls``."""
+    def wrapped(rows):
+        calls.append(len(rows))
+        return select_rows(rows)
+    return wrapped
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_drafter_with_the_targets_keys_and_values_reads_the_targets_cache(family):
+    """``frozen``/``layerwise`` designs (layers copied from the target): the drafter reads its context from the
+    target's KV cache (no cache of its own) and drafts exactly what it drafts with its own, rows dropped as they
+    finish; with one k projection changed its keys are not the target's and it keeps its own. Output: greedy."""
+    target = tiny_target(family, vocab_size=64, num_layers=3, init_range=0.5)
+    ids, mask = left_padded_prompts([3, 9, 5, 6], 64, seed=3)
+    with torch.no_grad():
+        ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=2,
+                              pad_token_id=0)
+    for design in ("frozen", "layerwise"):
+        torch.manual_seed(7)
+        drafter = build_drafter(target, design, block_size=5)
+        selected = []
+        drafter.select_rows = _counting(drafter.select_rows, selected)
+        runs = {}
+        for share in (True, False):
+            drafter.share_target_cache = share
+            out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
+            assert torch.equal(out.sequences, ref)
+            assert drafter._shared == share and (drafter._kv_buffers is None) == share, (design, share)
+            runs[share] = out.accepted_counts
+        assert runs[True] == runs[False], design
+        assert selected, "no row finished before the others: the test does not exercise select_rows"
+    with torch.no_grad():
+        drafter.layers[1].attn.k_proj.weight.add_(0.05)
+    drafter.share_target_cache = True
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
+    assert torch.equal(out.sequences, ref) and not drafter._shared and drafter._kv_buffers is not None
+    gpt2 = tiny_target("gpt2", vocab_size=64)  # layers not copied (not Llama-style): its keys are its own
+    drafter = build_drafter(gpt2, "layerwise", block_size=4)
+    speculative_generate(gpt2, drafter, ids, attention_mask=mask, max_new_tokens=8)
+    assert not drafter._shared
+
+
 def test_sampled_speculative_decoding_runs_with_q():
     target = tiny_target("llama", vocab_size=64)
     drafter = BlockDiffusionDrafter.from_target(target, block_size=4)

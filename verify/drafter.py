@@ -25,6 +25,11 @@ One speculative step:
 A drafter may be stateful (caches), so the verifier calls ``reset`` before a new batch and
 ``select_rows`` when it drops finished rows from the batch.
 
+Optionally, ``bind_target_cache(cache)`` is offered the target's KV cache after ``reset`` and before the first
+``extend``: a drafter whose context keys/values are the target's may read them there instead of keeping its
+own (:mod:`drafters.shared_cache`). The verifier crops that cache to the committed columns and selects its rows
+before it calls ``extend`` and ``select_rows``; a drafter may write scratch columns past its end.
+
 Optionally, ``draft_sources()`` returns, per row of the last ``draft``, a label of what drafted it (e.g.
 ``hint`` for a copied lookup hint, ``drafter`` for the model's own tokens; None: unlabelled). The verifier
 records them beside the accepted counts (:func:`verify.metrics.accepted_by_source`).

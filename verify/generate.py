@@ -249,6 +249,8 @@ def _prefill(run: _TargetPass, drafter, input_ids, attention_mask, max_new_token
         hidden = tuple(torch.zeros(batch_size, 0, width, device=input_ids.device) for _ in run.layer_ids)
     if drafter is not None:
         drafter.reset(batch_size)
+        if hasattr(drafter, "bind_target_cache"):  # optional: a drafter that can read the target's keys/values
+            drafter.bind_target_cache(run.cache)
         drafter.extend(input_ids[:, :-1], mask, prefix_pos, hidden)
     remaining = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=input_ids.device)
     return _Live(list(range(batch_size)), mask, input_ids[:, -1], attention_mask.sum(dim=1) - 1, remaining,

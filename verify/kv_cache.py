@@ -29,19 +29,36 @@ class GrowingLayer(DynamicLayer):
         self.keys = self._buffers[0][..., : self._length, :]
         self.values = self._buffers[1][..., : self._length, :]
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (keys, values) buffers (B, h_kv, capacity, d): columns past ``keys.shape[-2]`` are spare."""
+        return self._buffers
+
+    def ensure_capacity(self, columns: int) -> None:
+        """Room for ``columns`` columns (for a reader that writes scratch columns past the cached ones, e.g. a
+        drafter sharing this cache: the next ``update`` overwrites them)."""
+        if self._buffers is not None and columns > self._buffers[0].shape[-2]:
+            self._grow(columns)
+
+    def _grow(self, end: int) -> None:
+        capacity = end + max(self.reserve, end // 4, 16)
+        grown = []
+        for old in self._buffers:
+            buffer = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+            buffer[..., : self._length, :] = old[..., : self._length, :]
+            grown.append(buffer)
+        self._buffers = (grown[0], grown[1])
+        self._set_views()
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]
-        if self._buffers is None or end > self._buffers[0].shape[-2]:
-            capacity = end + max(self.reserve, end // 4, 16)
-            grown = []
-            for old, states in zip(self._buffers or (None, None), (key_states, value_states)):
-                buffer = states.new_empty(*states.shape[:-2], capacity, states.shape[-1])
-                if old is not None and start > 0:
-                    buffer[..., :start, :] = old[..., :start, :]
-                grown.append(buffer)
-            self._buffers = (grown[0], grown[1])
+        if self._buffers is None:
+            self._buffers = (key_states.new_empty(*key_states.shape[:-2], 0, key_states.shape[-1]),
+                             value_states.new_empty(*value_states.shape[:-2], 0, value_states.shape[-1]))
+        if end > self._buffers[0].shape[-2]:
+            self._grow(end)
         self._buffers[0][..., start:end, :] = key_states
         self._buffers[1][..., start:end, :] = value_states
         self._length = end

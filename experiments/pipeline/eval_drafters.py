@@ -65,7 +65,7 @@ def _existing_dir(path: str | Path, what: str, key: str = "drafter.path") -> Pat
 def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
-                  hint_data_dir: str | None = None) -> EvalDrafter:
+                  hint_data_dir: str | None = None, share_target_cache: bool = True) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -79,6 +79,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     slots in every step (:attr:`BlockDiffusionDrafter.max_draft_tokens`; exact; None = all K).
     ``hint_data_dir``: drafters trained with ``store_hints`` read their hints from every answer of this
     regenerated data folder instead of the store saved with them (None = the saved store).
+    ``share_target_cache``: read the context keys/values from the target's KV cache where they are the same
+    numbers (:attr:`BlockDiffusionDrafter.share_target_cache`; the drafts do not change, only the time).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
@@ -103,9 +105,11 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         _replace_hint_store(drafter, hint_data_dir, path)
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
     drafter.follow_hint_min_ngram, drafter.max_draft_tokens = follow_hint_min_ngram, max_draft_tokens
+    drafter.share_target_cache = share_target_cache
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
                 "max_draft_tokens": max_draft_tokens, "hint_data_dir": hint_data_dir,
+                "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(drafter.hint_store.rows) if drafter.hint_store is not None else None}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
     return EvalDrafter(drafter, {
