@@ -51,6 +51,7 @@ from experiments.bench.step_profile import (
 from experiments.data.prompts import encode_prompt, left_pad
 from experiments.data.suites import load_humaneval
 from experiments.data.target import TINY_TARGET_DIR, load_target
+from experiments.pipeline.paths import portable_path, runs_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -184,7 +185,8 @@ def main(argv=None) -> dict:
     steps, batches = step_costs(args, target, variants, prompts, pad_id, device)
     e2e = end_to_end_runs(args, target, variants, prompts, pad_id, device, baseline)
     run = {
-        "config": vars(args),
+        "config": {**vars(args), "drafter": runs_path(args.drafter) if args.drafter else None,  # no machine paths
+                   "target": portable_path(args.target) if args.target else None, "out": portable_path(args.out)},
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device)},
         "target_params": sum(p.numel() for p in target.parameters()),
