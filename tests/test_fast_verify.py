@@ -44,6 +44,12 @@ def test_growing_layer_matches_dynamic_layer():
             batch = len(select)
         assert grow.get_seq_length() == plain.get_seq_length()
         assert torch.equal(grow.keys, plain.keys) and torch.equal(grow.values, plain.values)
+        # a reader sharing the cache (a drafter) asks for room and writes scratch columns past the end
+        end = grow.get_seq_length()
+        grow.ensure_capacity(end + 40)
+        assert grow.buffers[0].shape[-2] >= end + 40 and torch.equal(grow.keys, plain.keys)
+        grow.buffers[0][..., end : end + 40, :] = float("nan")
+        grow.buffers[1][..., end : end + 40, :] = float("nan")
     grow.reset()
     assert grow.get_seq_length() == 0
 
