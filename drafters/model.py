@@ -581,14 +581,12 @@ class BlockDiffusionDrafter(nn.Module):
             self._target_layers = None
 
     def _set_views(self) -> None:
-        cfg, c = self.config, self._columns
-        if self._shared:
-            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in self._kv()]
-        elif self._kv_buffers is None:
+        cfg, c, kv = self.config, self._columns, self._kv()
+        if kv is None:
             empty = self.weight_ref.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
             self._cache_kv = [(empty, empty) for _ in self.layers]
         else:
-            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in self._kv_buffers]
+            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in kv]
         self._cache_mask = self._mask_buffer[:, :c]
 
     def _reserve(self, columns: int) -> None:
