@@ -537,6 +537,16 @@ class BlockDiffusionDrafter(nn.Module):
     #: a shorter verified block can pay more than the accepted tokens it loses.
     max_draft_tokens: int | None = None
 
+    #: The drafted slots the drafter's layers compute each step, the first W of the K (None: all K): the
+    #: block run through the layers is ``[anchor, slot 1 .. slot W]``, W + 1 columns instead of K + 1, so a
+    #: step's drafting costs about (W + 1) / (K + 1) of the whole block's where a forward costs by the token
+    #: (a CPU). Where some row copies its hint (:attr:`follow_hint_after`) the step still verifies that
+    #: hint's whole block, and every other row proposes its own hint tokens past slot W; where none does, the
+    #: step verifies W slots. Exact (the width is fixed before the target runs; hint tokens are one-hot
+    #: proposals). The anchor's causal path makes slot 1 the same at any W; slots 2..W see the hints of the
+    #: slots before W + 1 only, where training showed them all K.
+    own_draft_tokens: int | None = None
+
     #: Read the context keys/values from the target's KV cache when the verifier offers it
     #: (:meth:`bind_target_cache`) and they are the same numbers (:mod:`drafters.shared_cache`): a step then
     #: computes and copies no context column, and the drafter keeps no cache of its own. False: always its own.
@@ -671,12 +681,15 @@ class BlockDiffusionDrafter(nn.Module):
         """Normalised output states (B, K, H) of the drafted slots of one block per row (the LM head's input)."""
         return self._block_states(self._block_inputs(anchor_ids, anchor_position_ids))
 
-    def _block_inputs(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> _Block:
-        """The block tokens, RoPE and mask of one block per row after every cached column; with lookup hints,
-        the hints fill the slots and are kept in ``_block_hints`` for :attr:`follow_hint_after`."""
+    def _block_inputs(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor,
+                      width: int | None = None) -> _Block:
+        """The block tokens, RoPE and mask of one block per row after every cached column, cut to the columns
+        that draft slots 1..``width`` (default K: the whole block); with lookup hints, the hints fill the slots
+        and are kept, all K of them, in ``_block_hints`` for :attr:`follow_hint_after`."""
         self._require_cache()
         cfg = self.config
-        rows, c, bs = self._mask_buffer.shape[0], self._columns, cfg.block_size
+        rows, c = self._mask_buffer.shape[0], self._columns
+        bs = cfg.block_size if width is None else width + 1  # shifted: column k - 1 drafts slot k (column B - 1 idle)
         self._reserve(c + bs)
         self._mask_buffer[:, c : c + bs] = True  # block slots: past the cached columns, see each other
         mask = self._mask_buffer[:, None, None, : c + bs]  # (B, 1, 1, C + B), the same for every slot
@@ -686,7 +699,7 @@ class BlockDiffusionDrafter(nn.Module):
         ids[:, 0] = anchor_ids.reshape(rows)
         if cfg.lookup_hints:  # the committed tokens (holes dropped) and the anchor, as training reads them
             slots, ngram, store = self._hinted_slots(*compact_rows(self._ids_buffer[:, :c], self._mask_buffer[:, :c], ids[:, 0]))
-            ids[:, 1:] = slots[:, 0]
+            ids[:, 1:] = slots[:, 0, : bs - 1]
             self._block_hints = slots[:, 0], ngram[:, 0], store[:, 0]  # (B, K), (B,), (B,): for follow_hint_after
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, B)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.weight_ref.dtype)
@@ -767,8 +780,9 @@ class BlockDiffusionDrafter(nn.Module):
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens (B, W) and, when sampling, q (B, W, V) float32: W = K, or :attr:`max_draft_tokens`; with
-        :attr:`confidence_threshold`, the :meth:`confident_width` within those (all of them when some row
-        copies its hint under :attr:`follow_hint_after`).
+        :attr:`own_draft_tokens` W' < W, the drafter's W' slots unless some row copies its hint (then every
+        other row proposes its hint tokens past its W' slots); with :attr:`confidence_threshold`, the
+        :meth:`confident_width` within those (all W when some row copies its hint under :attr:`follow_hint_after`).
 
         Slots of a block are conditionally independent given the context (one forward pass, no
         feedback between slots), so sampling each slot from its own warped distribution makes
@@ -781,30 +795,47 @@ class BlockDiffusionDrafter(nn.Module):
         if not 1 <= width <= self.num_draft_tokens or (self.follow_hint_after or 0) > width:
             raise ValueError(f"max_draft_tokens={self.max_draft_tokens}: must be in 1..K={self.num_draft_tokens} "
                              f"and at least follow_hint_after={self.follow_hint_after}")
-        block = self._block_inputs(anchor_ids, anchor_position_ids)
+        if self.own_draft_tokens is not None and self.own_draft_tokens < 1:
+            raise ValueError(f"own_draft_tokens={self.own_draft_tokens}: must be >= 1 (or None: all K)")
+        own_width = width if self.own_draft_tokens is None else min(width, self.own_draft_tokens)
+        block = self._block_inputs(anchor_ids, anchor_position_ids, None if self.own_draft_tokens is None else own_width)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
         if self.follow_hint_after == 0 and bool(self._hint_rows().any()):
-            # Known before any pass: the drafter runs on the other rows only, all W slots (a copied hint is
-            # drafted whole); the copied rows' logits are placeholders, replaced by their hints below.
+            # Known before any pass: the drafter runs on the other rows only (a copied hint is drafted whole,
+            # W slots); the copied rows' logits are placeholders, replaced by their hints below.
             follow = self._hint_rows()
             own = (~follow).nonzero().squeeze(1)  # (b,)
-            logits = torch.zeros(follow.shape[0], width, self.target.get_output_embeddings().out_features,
-                                 device=follow.device)  # (B, W, V) float32, as _head returns
+            logits = torch.zeros(follow.shape[0], own_width, self.target.get_output_embeddings().out_features,
+                                 device=follow.device)  # (B, W', V) float32, as _head returns
             if own.numel():
-                logits[own] = self._head(self._block_states(block, own)[:, :width])
+                logits[own] = self._head(self._block_states(block, own)[:, :own_width])
         else:
-            states = self._block_states(block)[:, :width]  # (B, W, H)
-            logits = self._head(states) if self.confidence_threshold is None else None  # (B, W, V)
+            states = self._block_states(block)[:, :own_width]  # (B, W', H)
+            logits = self._head(states) if self.confidence_threshold is None else None  # (B, W', V)
             if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
                 follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
             if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
                 logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
         self._sources = self._label_rows(follow, logits.shape[0])
-        hints = self._block_hints[0][:, : logits.shape[1]] if follow is not None else None  # (B, W)
+        return self._propose(logits, follow, width, temperature, top_k, top_p, generator)
+
+    def _propose(self, logits, follow, width: int, temperature, top_k, top_p, generator):
+        """:meth:`draft`'s tokens (B, W) and q (B, W, V) or None from the drafter's logits (B, W', V) and the
+        rows that copy their hint (``follow`` (B,) bool or None). Where a row copies, the step drafts W slots:
+        copied rows their hint (one-hot q), the others their W' slots and then their hint tokens (one-hot
+        q); else the drafter's W' slots."""
+        copies = follow is not None and bool(follow.any())
+        out_width = width if copies else logits.shape[1]
+        hints = self._block_hints[0][:, :out_width] if follow is not None else None  # (B, W)
+        past = hints[:, logits.shape[1]:] if copies else None  # (B, W - W') the other rows' hints past their slots
         if temperature == 0:
             tokens = logits.argmax(-1)
+            if past is not None:
+                tokens = torch.cat([tokens, past], dim=1)
             return (tokens if follow is None else torch.where(follow[:, None], hints, tokens)), None
-        q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, W, V) float32
+        q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, W', V) float32
+        if past is not None:  # proposed as they are: one-hot q, so the hint token is the draw
+            q = torch.cat([q, nn.functional.one_hot(past, q.shape[-1]).to(q.dtype)], dim=1)
         if follow is not None:  # copied rows: q is the point mass on the hint, from which the hint is the draw
             q = torch.where(follow[:, None, None], nn.functional.one_hot(hints, q.shape[-1]).to(q.dtype), q)
         return sample_tokens(q, generator), q  # (B, W): slot k drawn from q[:, k]

@@ -101,3 +101,25 @@ def test_block_attention_is_sdpa_under_the_block_mask(causal_anchor):
     want_grads = torch.autograd.grad(want, inputs, grad_out)
     for got_grad, want_grad in zip(torch.autograd.grad(got, inputs, grad_out), want_grads):
         torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_slot_mask", [False, True])
+def test_cached_attention_is_sdpa_over_a_slice_of_the_cache_buffers(per_slot_mask):
+    """drafters.layers.cached_attention (written out on a CPU) gives scaled_dot_product_attention's output for a
+    block's few queries over the first columns of larger cache buffers, under a shared or a per-slot mask."""
+    import torch.nn.functional as F
+
+    from drafters.layers import cached_attention
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, slots, dim, columns = 3, 2, 4, 8, 11
+    q = torch.randn(rows, heads, slots, dim, generator=g)
+    k_buffer, v_buffer = (torch.randn(rows, heads, columns + 7, dim, generator=g) for _ in range(2))
+    keys, values = k_buffer[:, :, :columns], v_buffer[:, :, :columns]
+    mask = torch.rand(rows, 1, slots if per_slot_mask else 1, columns, generator=g) > 0.4
+    mask[..., -1] = True  # every slot sees one key at least
+    out = cached_attention(q, keys, values, mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+    moved = mask.clone()
+    moved[0, 0, 0, 0] = ~moved[0, 0, 0, 0]  # the last column stays visible
+    assert not torch.allclose(cached_attention(q, keys, values, moved), out)  # the mask is read

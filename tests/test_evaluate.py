@@ -71,12 +71,13 @@ def results(assets):
 
     target, tok = load_target(str(assets / "target"))
     drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
-    calls = []
+    calls, warm_ups = [], []
 
     def spy(target, drafter, input_ids, *, attention_mask, **kwargs):
         out = ev_generate(target, drafter, input_ids, attention_mask=attention_mask, **kwargs)
         prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
-        calls.append((kwargs["temperature"], prompts, out.new_tokens))
+        warm = kwargs["max_new_tokens"] == ev.WARM_UP_NEW_TOKENS != MAX_NEW  # the untimed decode before a suite
+        (warm_ups if warm else calls).append((kwargs["temperature"], prompts, out.new_tokens))
         return out
 
     ev_generate = ev.speculative_generate
@@ -88,6 +89,8 @@ def results(assets):
         out = ev.evaluate(target, tok, drafter, _suites(), settings)
     finally:
         mp.undo()
+    # one untimed warm-up decode per (suite, T) before the timed ones, of its first batch
+    assert [(t, len(p)) for t, p, _ in warm_ups] == [(0.0, 2), (1.0, 2)] * 2  # code: 2 prompts; chat: 2 prompts
     return out, tok, calls
 
 
@@ -384,6 +387,12 @@ def test_block_drafter_confidence_threshold(assets):
     k = plain.drafter.num_draft_tokens
     with pytest.raises(ValueError, match=rf"drafter.max_draft_tokens={k + 1}: must be in 1..{k}"):
         block_drafter(target, str(assets / "drafter"), max_draft_tokens=k + 1)
+    assert plain.drafter.own_draft_tokens is None and "own_draft_tokens" not in plain.info["config"]
+    narrow = block_drafter(target, str(assets / "drafter"), own_draft_tokens=2)
+    assert narrow.drafter.own_draft_tokens == 2 and narrow.info["config"]["own_draft_tokens"] == 2
+    for bad in (0, k + 1):
+        with pytest.raises(ValueError, match=rf"drafter.own_draft_tokens={bad}: must be in 1..{k}"):
+            block_drafter(target, str(assets / "drafter"), own_draft_tokens=bad)
 
 
 def test_block_drafter_hint_data_dir(assets, tmp_path):

@@ -155,17 +155,19 @@ def test_follow_hint_after_keeps_greedy_identity_and_copies_loops(m):
     assert followed.accepted_counts != plain.accepted_counts
 
 
-@pytest.mark.parametrize("threshold, width", [(None, None), (0.2, None), (None, 2)])
-def test_follow_hint_after_keeps_the_target_distribution(threshold, width):
+@pytest.mark.parametrize("threshold, width, own", [(None, None, None), (0.2, None, None), (None, 2, None), (None, None, 1)])
+def test_follow_hint_after_keeps_the_target_distribution(threshold, width, own):
     """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, a hinted
     drafter copying the hint wherever an n-gram matches (one-hot q) and sampling elsewhere (with a
     confidence threshold: only the confident prefix in steps where no row copies; with max_draft_tokens:
-    the first 2 slots of every block, copied hints included)."""
+    the first 2 slots of every block, copied hints included; with own_draft_tokens = 1: the drafter samples
+    slot 1 only and proposes its hint past it where another row copies)."""
     length, batches, rows = 3, 60, 40
     target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
     torch.manual_seed(3)
     drafter = build_drafter(target, "hinted", block_size=4)
     drafter.follow_hint_after, drafter.confidence_threshold, drafter.max_draft_tokens = 0, threshold, width
+    drafter.own_draft_tokens = own
     prompt = [5, 3, 6, 5, 3]  # "5 3" recurs: the first block is the hint 6 5 3
     pvalue, accepted = sampled_continuations_pvalue(target, drafter, prompt, length, batches, rows)
     assert accepted > 0
@@ -249,12 +251,47 @@ def test_rows_that_copy_their_hint_skip_the_drafters_passes(refine_passes):
         assert drafter.draft(anchors, positions)[0].tolist() == [[12, 13, 20, 10], [12, 13, 20, 21]]
         assert passes == []
 
-@pytest.mark.parametrize("threshold", [None, 0.05])
-def test_follow_hint_min_ngram_keeps_greedy_identity(threshold):
+def test_own_draft_tokens_runs_a_narrow_block_and_proposes_hints_past_it():
+    """own_draft_tokens = 2 (K = 4): the drafter's layers run on [anchor, slot 1, slot 2] only; slot 1 is the
+    whole block's (causal anchor) and slot 2 the narrow block's own argmax; where another row copies its hint
+    the step keeps K slots and the drafter's row proposes its own hint at slots 3..4 (one-hot q), where no
+    row copies it drafts 2 slots."""
+    target = build_target("llama")
+    torch.manual_seed(4)
+    drafter = build_drafter(target, "deep", block_size=5).eval()
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    ids = torch.tensor([[10, 11, 12, 13, 20, 10, 11], [10, 11, 12, 13, 20, 21, 11]])  # row 0 copies 12 13 20 10
+    states = _run_target(target, ids[:, :-1])
+    drafter.reset(2)
+    drafter.extend(ids[:, :-1], torch.ones(2, 6, dtype=torch.long), torch.arange(6).repeat(2, 1),
+                   [states[i] for i in drafter.target_layer_ids])
+    anchors, positions = ids[:, -1], torch.tensor([6, 6])
+    widths, block_pass = [], drafter._block_pass
+    drafter._block_pass = lambda block_ids, *rest: widths.append(tuple(block_ids.shape)) or block_pass(block_ids, *rest)
+    with torch.no_grad():
+        full = drafter.draft_logits(anchors, positions).argmax(-1)  # (2, K): the whole block, every row
+        narrow = drafter._head(drafter._block_states(drafter._block_inputs(anchors, positions, 2))).argmax(-1)
+        widths.clear()
+        drafter.own_draft_tokens = 2
+        greedy, _ = drafter.draft(anchors, positions)
+        assert widths == [(1, 3)]  # row 1 only, 3 columns
+        assert greedy[0].tolist() == [12, 13, 20, 10]
+        assert greedy[1, 0] == full[1, 0] and greedy[1, :2].tolist() == narrow[1].tolist()
+        assert greedy[1, 2:].tolist() == [20, 21]  # row 1's prompt-lookup hint "12 13 20 21", slots 3..4
+        sampled, q = drafter.draft(anchors, positions, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        assert sampled[1, 2:].tolist() == [20, 21]
+        assert torch.equal(q[1, 2:], torch.nn.functional.one_hot(torch.tensor([20, 21]), q.shape[-1]).float())
+        drafter.follow_hint_min_ngram = 3  # no row copies: the drafter's 2 slots, every row through it
+        mine, _ = drafter.draft(anchors, positions)
+        assert mine.tolist() == narrow.tolist() and widths[-1] == (2, 3)
+
+
+@pytest.mark.parametrize("threshold, own", [(None, None), (0.05, None), (None, 2)])
+def test_follow_hint_min_ngram_keeps_greedy_identity(threshold, own):
     target = tiny_target("llama", vocab_size=64)
     torch.manual_seed(7)
     drafter = build_drafter(target, "hinted", block_size=5)
-    drafter.confidence_threshold = threshold
+    drafter.confidence_threshold, drafter.own_draft_tokens = threshold, own
     prompts, mask = left_padded_prompts([6, 12, 9], 64, seed=5)
     ids = torch.cat([prompts, prompts[:, -4:]], 1)  # the last tokens recur: long and short matches
     mask = torch.cat([mask, torch.ones_like(mask[:, -4:])], 1)

@@ -65,7 +65,8 @@ def _existing_dir(path: str | Path, what: str, key: str = "drafter.path") -> Pat
 def block_drafter(target, path: str, name: str | None = None, confidence_threshold: float | None = None,
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
-                  hint_data_dir: str | None = None, share_target_cache: bool = True) -> EvalDrafter:
+                  hint_data_dir: str | None = None, share_target_cache: bool = True,
+                  own_draft_tokens: int | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -81,22 +82,14 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     regenerated data folder instead of the store saved with them (None = the saved store).
     ``share_target_cache``: read the context keys/values from the target's KV cache where they are the same
     numbers (:attr:`BlockDiffusionDrafter.share_target_cache`; the drafts do not change, only the time).
+    ``own_draft_tokens``: the drafter's layers compute only slots 1..W' (a block of W' + 1 columns), and the
+    step verifies W' slots unless some row copies its hint (:attr:`BlockDiffusionDrafter.own_draft_tokens`;
+    exact; None = all K).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
     directory, drafter = _load_block_drafter(target, path)
-    if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
-        raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
-                         f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints})")
-    if follow_hint_min_ngram != 1 and follow_hint_after is None:
-        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram} needs drafter.follow_hint_after (it "
-                         "only narrows where the hint is copied)")
-    if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
-        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
-                         f"(the drafter's lookup_max_ngram)")
-    if max_draft_tokens is not None and not max(1, follow_hint_after or 0) <= max_draft_tokens <= drafter.num_draft_tokens:
-        raise ValueError(f"drafter.max_draft_tokens={max_draft_tokens}: must be in {max(1, follow_hint_after or 0)}.."
-                         f"{drafter.num_draft_tokens} (K of {path}; at least drafter.follow_hint_after) or null")
+    _check_block_settings(drafter, path, follow_hint_after, follow_hint_min_ngram, max_draft_tokens, own_draft_tokens)
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
@@ -105,10 +98,10 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         _replace_hint_store(drafter, hint_data_dir, path)
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
     drafter.follow_hint_min_ngram, drafter.max_draft_tokens = follow_hint_min_ngram, max_draft_tokens
-    drafter.share_target_cache = share_target_cache
+    drafter.share_target_cache, drafter.own_draft_tokens = share_target_cache, own_draft_tokens
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
-                "max_draft_tokens": max_draft_tokens, "hint_data_dir": hint_data_dir,
+                "max_draft_tokens": max_draft_tokens, "own_draft_tokens": own_draft_tokens, "hint_data_dir": hint_data_dir,
                 "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(drafter.hint_store.rows) if drafter.hint_store is not None else None}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
@@ -122,6 +115,26 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "training_run": training_run_info(directory.parent),
         "description": None,
     })
+
+
+def _check_block_settings(drafter, path: str, follow_hint_after, follow_hint_min_ngram: int, max_draft_tokens,
+                          own_draft_tokens) -> None:
+    """Refuse :func:`block_drafter`'s settings that ``drafter`` (loaded from ``path``) cannot take, naming the key."""
+    if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
+        raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
+                         f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints})")
+    if follow_hint_min_ngram != 1 and follow_hint_after is None:
+        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram} needs drafter.follow_hint_after (it "
+                         "only narrows where the hint is copied)")
+    if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
+        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
+                         f"(the drafter's lookup_max_ngram)")
+    if max_draft_tokens is not None and not max(1, follow_hint_after or 0) <= max_draft_tokens <= drafter.num_draft_tokens:
+        raise ValueError(f"drafter.max_draft_tokens={max_draft_tokens}: must be in {max(1, follow_hint_after or 0)}.."
+                         f"{drafter.num_draft_tokens} (K of {path}; at least drafter.follow_hint_after) or null")
+    if own_draft_tokens is not None and not 1 <= own_draft_tokens <= drafter.num_draft_tokens:
+        raise ValueError(f"drafter.own_draft_tokens={own_draft_tokens}: must be in 1..{drafter.num_draft_tokens} "
+                         f"(K of {path}) or null")
 
 
 def _load_block_drafter(target, path: str) -> tuple[Path, BlockDiffusionDrafter]:

@@ -155,6 +155,21 @@ def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decod
     return done
 
 
+#: New tokens of the untimed decodes that warm both paths up before a suite's timed ones (:func:`_warm_up`).
+WARM_UP_NEW_TOKENS = 2
+
+
+def _warm_up(target, drafter, rows: list[list[int]], run: _Decoding) -> None:
+    """A short untimed decode of ``rows`` each way before a suite's timed ones: a process's first decodes pay
+    one-time costs (allocations, kernel set-up) that would otherwise land on the speculative side, which runs
+    first. Its own generator: the suite's seeded ones are untouched, so sampled answers do not change."""
+    input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
+    kwargs = {**run.kwargs, "max_new_tokens": min(WARM_UP_NEW_TOKENS, run.kwargs["max_new_tokens"])}
+    generator = torch.Generator(device=run.device).manual_seed(0)
+    speculative_generate(target, drafter, input_ids, attention_mask=mask, generator=generator, **kwargs)
+    target_generate(target, input_ids, attention_mask=mask, generator=generator, **kwargs)
+
+
 def _prompt_records(prompts: Sequence[Prompt], turns: list[list[dict]]) -> list[dict]:
     """One record per prompt: its turns pooled (kept tokens and steps summed, accepted counts concatenated)."""
     return [{
@@ -218,6 +233,8 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
         live = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         encoded = _encode_turn(tokenizer, prompts, answers, live, turn, budget, s.use_chat_template, run)
         order = sorted(live, key=lambda i: (len(encoded[i]), prompts[i].id))
+        if turn == 0 and s.measure_target_only:  # speeds are measured: warm both paths up first
+            _warm_up(target, drafter, [encoded[i] for i in order[: s.batch_size]], run)
         for start in range(0, len(order), s.batch_size):
             chunk = order[start: start + s.batch_size]
             done = _decode_batch(target, tokenizer, drafter, [encoded[i] for i in chunk], run, s.measure_target_only,
