@@ -452,3 +452,21 @@ def test_suite_steps_bench_times_every_speculative_step(assets, tmp_path):
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if "@" not in k and k != "total"))
     assert parts["target_forward"] > 0 and parts["draft"] > 0 and "draft_states@draft" in parts
     assert parts["total"] * summary["batched_forwards"] <= 1e3 * summary["spec_wall_time_s"]
+
+
+def test_interleave_bench_runs_each_variant_each_round(tmp_path):
+    """experiments.bench.interleave: every (round, variant, suite) evaluated once, in that order, with the
+    variant's own drafter settings; its τ is the plain evaluation's; the summary means each variant's rounds."""
+    from experiments.bench import interleave
+
+    out = tmp_path / "ab.json"
+    doc = interleave.main(["drafter=prompt_lookup", "suite=humaneval", "suite.humaneval.limit=2", "max_new_tokens=6",
+                           "num_threads=1", "progress=false", "--variants", "drafter.max_ngram=3",
+                           "drafter.max_ngram=1 drafter.num_draft_tokens=2", "--rounds", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == doc and doc["overrides"][-1] == "temperatures=[0.0]"
+    long, short = (doc["summary"][v]["humaneval"] for v in doc["variants"])
+    assert len(long["tau"]) == len(short["speedup"]) == 2 and long["tau"][0] == long["tau"][1]
+    assert long["mean_speedup"] == pytest.approx(sum(long["speedup"]) / 2)
+    assert max(short["mean_draft_width"]) <= 2 < max(long["mean_draft_width"])  # the variant's own K
+    with pytest.raises(SystemExit):
+        interleave.main(["--variants", "a=1", "a=1"])

@@ -219,22 +219,28 @@ def test_follow_hint_with_confidence_threshold_drafts_whole_hints_and_confident_
 
 
 
+def _two_rows_one_copying(design: str = "hinted", **kwargs):
+    """``(drafter, anchors, positions)``: a drafter (block 5, follow_hint_after 0, min n-gram 2) over two rows
+    after their context: row 0's hint "12 13 20 10" rests on "10 11" and is copied, row 1's on "11" alone."""
+    target = build_target("llama")
+    torch.manual_seed(4)
+    drafter = build_drafter(target, design, block_size=5, **kwargs).eval()
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    ids = torch.tensor([[10, 11, 12, 13, 20, 10, 11], [10, 11, 12, 13, 20, 21, 11]])
+    states = _run_target(target, ids[:, :-1])
+    drafter.reset(2)
+    drafter.extend(ids[:, :-1], torch.ones(2, 6, dtype=torch.long), torch.arange(6).repeat(2, 1),
+                   [states[i] for i in drafter.target_layer_ids])
+    return drafter, ids[:, -1], torch.tensor([6, 6])
+
+
 @pytest.mark.parametrize("refine_passes", [0, 2])
 def test_rows_that_copy_their_hint_skip_the_drafters_passes(refine_passes):
     """follow_hint_after = 0: which rows copy their hint is known before the drafter runs, so its passes
     and head run on the other rows only, with the drafts and q of a pass over the whole batch."""
     from verify.rejection import warp_probs
 
-    target = build_target("llama")
-    torch.manual_seed(4)
-    drafter = build_drafter(target, "hinted", block_size=5, refine_passes=refine_passes).eval()
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    ids = torch.tensor([[10, 11, 12, 13, 20, 10, 11], [10, 11, 12, 13, 20, 21, 11]])  # row 0 copies 12 13 20 10
-    states = _run_target(target, ids[:, :-1])
-    drafter.reset(2)
-    drafter.extend(ids[:, :-1], torch.ones(2, 6, dtype=torch.long), torch.arange(6).repeat(2, 1),
-                   [states[i] for i in drafter.target_layer_ids])
-    anchors, positions = ids[:, -1], torch.tensor([6, 6])
+    drafter, anchors, positions = _two_rows_one_copying(refine_passes=refine_passes)
     passes, block_pass = [], drafter._block_pass
     drafter._block_pass = lambda block_ids, *rest: passes.append(block_ids.shape[0]) or block_pass(block_ids, *rest)
     with torch.no_grad():
@@ -256,16 +262,7 @@ def test_own_draft_tokens_runs_a_narrow_block_and_proposes_hints_past_it():
     whole block's (causal anchor) and slot 2 the narrow block's own argmax; where another row copies its hint
     the step keeps K slots and the drafter's row proposes its own hint at slots 3..4 (one-hot q), where no
     row copies it drafts 2 slots."""
-    target = build_target("llama")
-    torch.manual_seed(4)
-    drafter = build_drafter(target, "deep", block_size=5).eval()
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    ids = torch.tensor([[10, 11, 12, 13, 20, 10, 11], [10, 11, 12, 13, 20, 21, 11]])  # row 0 copies 12 13 20 10
-    states = _run_target(target, ids[:, :-1])
-    drafter.reset(2)
-    drafter.extend(ids[:, :-1], torch.ones(2, 6, dtype=torch.long), torch.arange(6).repeat(2, 1),
-                   [states[i] for i in drafter.target_layer_ids])
-    anchors, positions = ids[:, -1], torch.tensor([6, 6])
+    drafter, anchors, positions = _two_rows_one_copying("deep")
     widths, block_pass = [], drafter._block_pass
     drafter._block_pass = lambda block_ids, *rest: widths.append(tuple(block_ids.shape)) or block_pass(block_ids, *rest)
     with torch.no_grad():

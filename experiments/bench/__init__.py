@@ -54,3 +54,19 @@ def peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def evaluation_config(overrides: Iterable[str]):
+    """``(cfg, settings)``: ``conf/evaluate.yaml`` composed with ``overrides`` as ``experiments.evaluate`` composes
+    it, and its :class:`experiments.pipeline.settings.DecodingSettings` (only the settings' keys are read: the rest
+    of a composed, not run, config holds ``${hydra:...}`` it cannot resolve)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from experiments.pipeline.settings import DecodingSettings
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="evaluate", overrides=list(overrides))
+    fields = [f.name for f in dataclasses.fields(DecodingSettings)]
+    return cfg, DecodingSettings.from_config(OmegaConf.masked_copy(cfg, [f for f in fields if f in cfg]))

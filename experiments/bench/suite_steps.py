@@ -17,21 +17,17 @@ medians: a suite's time is their sum. One run of one machine: compare parts with
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from experiments.bench import CONF
+from experiments.bench import evaluation_config
 from experiments.bench.step_profile import StepClock, device_sync, timed_parts
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
-from experiments.pipeline.settings import DecodingSettings
 
 
 def per_step_ms(clock: StepClock, steps: int) -> dict[str, float]:
@@ -46,11 +42,9 @@ def per_step_ms(clock: StepClock, steps: int) -> dict[str, float]:
     return out
 
 
-def profile_suites(cfg) -> dict[str, dict[str, dict]]:
-    """``{suite: {t_key: summary}}`` for the evaluation config ``cfg`` (``experiments.evaluate``'s)."""
-    # only the settings' keys: the rest of a composed (not run) config holds ${hydra:...} it cannot resolve
-    fields = [f.name for f in dataclasses.fields(DecodingSettings)]
-    settings = DecodingSettings.from_config(OmegaConf.masked_copy(cfg, [f for f in fields if f in cfg]))
+def profile_suites(cfg, settings) -> dict[str, dict[str, dict]]:
+    """``{suite: {t_key: summary}}`` for the evaluation config ``cfg`` (``experiments.evaluate``'s) and its
+    decoding ``settings``."""
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     device = settings.resolved_device()
@@ -83,11 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = list(args.overrides)
     if not any(o.startswith("temperatures=") for o in overrides):
         overrides.append("temperatures=[0.0]")
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="evaluate", overrides=overrides)
+    cfg, settings = evaluation_config(overrides)
     doc = {"overrides": overrides,
            "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-           "suites": profile_suites(cfg)}
+           "suites": profile_suites(cfg, settings)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
