@@ -416,6 +416,23 @@ def test_greedy_speculative_decoding_equals_target_greedy(family, lengths, desig
     assert all(0 <= n <= 3 for counts in out.accepted_counts for n in counts)
 
 
+@pytest.mark.parametrize("design", ["dflash", "frozen"])
+def test_narrow_drafting_keeps_greedy_identity_and_drafts_fewer_slots(design):
+    """own_draft_tokens = 2 of K = 5 (a shifted block or DFlash's): the greedy output is the target's, and with no
+    hint copied every step verifies 2 drafts, where the whole block verifies 5."""
+    target = tiny_target("llama", vocab_size=64)
+    torch.manual_seed(7)
+    drafter = build_drafter(target, design, block_size=6)
+    ids, mask = left_padded_prompts([3, 7, 5], 64, seed=1)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=2, pad_token_id=0)
+    whole = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=2)
+    drafter.own_draft_tokens = 2
+    narrow = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=2)
+    assert torch.equal(narrow.sequences, ref) and torch.equal(whole.sequences, ref)
+    assert narrow.num_verified_slots <= 2 * narrow.num_batched_forwards < whole.num_verified_slots
+    assert all(0 <= n <= 2 for counts in narrow.accepted_counts for n in counts)
+
+
 def _counting(select_rows, calls: list):
     """``select_rows`` that appends the number of rows kept to ``calls``."""
     def wrapped(rows):
