@@ -800,7 +800,8 @@ class BlockDiffusionDrafter(nn.Module):
         own_width = width if self.own_draft_tokens is None else min(width, self.own_draft_tokens)
         block = self._block_inputs(anchor_ids, anchor_position_ids, None if self.own_draft_tokens is None else own_width)
         follow = None  # (B,) bool: rows that draft the lookup hint's block
-        if self.follow_hint_after == 0 and bool(self._hint_rows().any()):
+        copies = self.follow_hint_after == 0 and bool(self._hint_rows().any())  # some row copies its hint
+        if copies:
             # Known before any pass: the drafter runs on the other rows only (a copied hint is drafted whole,
             # W slots); the copied rows' logits are placeholders, replaced by their hints below.
             follow = self._hint_rows()
@@ -814,17 +815,17 @@ class BlockDiffusionDrafter(nn.Module):
             logits = self._head(states) if self.confidence_threshold is None else None  # (B, W', V)
             if self.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
                 follow = self._follows_hint(logits if logits is not None else self._head(states[:, : self.follow_hint_after]))
+            copies = follow is not None and bool(follow.any())
             if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
-                logits = self._head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
+                logits = self._head(states) if copies else self._confident_logits(states)
         self._sources = self._label_rows(follow, logits.shape[0])
-        return self._propose(logits, follow, width, temperature, top_k, top_p, generator)
+        return self._propose(logits, follow, copies, width, temperature, top_k, top_p, generator)
 
-    def _propose(self, logits, follow, width: int, temperature, top_k, top_p, generator):
+    def _propose(self, logits, follow, copies: bool, width: int, temperature, top_k, top_p, generator):
         """:meth:`draft`'s tokens (B, W) and q (B, W, V) or None from the drafter's logits (B, W', V) and the
-        rows that copy their hint (``follow`` (B,) bool or None). Where a row copies, the step drafts W slots:
-        copied rows their hint (one-hot q), the others their W' slots and then their hint tokens (one-hot
-        q); else the drafter's W' slots."""
-        copies = follow is not None and bool(follow.any())
+        rows that copy their hint (``follow`` (B,) bool or None; ``copies``: whether any does). Where a row
+        copies, the step drafts W slots: copied rows their hint (one-hot q), the others their W' slots and then
+        their hint tokens (one-hot q); else the drafter's W' slots."""
         out_width = width if copies else logits.shape[1]
         hints = self._block_hints[0][:, :out_width] if follow is not None else None  # (B, W)
         past = hints[:, logits.shape[1]:] if copies else None  # (B, W - W') the other rows' hints past their slots
