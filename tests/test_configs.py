@@ -181,11 +181,33 @@ def _regime(cfg) -> dict:
     return {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
 
 
-@pytest.mark.parametrize("experiment", ["l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma", "layerwise",
-                                        "hinted", "hinted_store"])
+@pytest.mark.parametrize("experiment", ["layerwise", "hinted", "hinted_store"])
 def test_sweeps_share_the_ablations_regime(experiment):
     ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
     assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
+
+
+@pytest.mark.parametrize("experiment,loss", [("l2r_sweep_chain", "chain"), ("l2r_sweep_focal", "focal"),
+                                             ("l2r_sweep_gamma", "decay")])
+def test_sweeps_run_at_the_main_jobs_regime(experiment, loss):
+    """The three loss sweeps are experiment=deep_frozen (drafter, data, budget, suites, inference settings) with one
+    loss, whose key they vary, not deep_frozen's sweep over losses."""
+    sweep = _compose("train", [f"experiment={experiment}"])
+    deep = _compose("train", ["experiment=deep_frozen", f"loss={loss}"])
+    assert _regime(sweep) == _regime(deep)
+    for key in ("drafter", "evaluate.drafter", "loss"):
+        assert OmegaConf.to_container(OmegaConf.select(sweep, key), resolve=True) == \
+            OmegaConf.to_container(OmegaConf.select(deep, key), resolve=True), key
+    assert {j["loss"] for j in _sweep_jobs(experiment, [])} == {loss}
+
+
+def test_the_main_jobs_drafters_are_evaluated_as_deep_frozen_evaluates_at_the_end_of_training():
+    """conf/main.yaml's trained_evaluate_overrides (experiments.evaluate's drafter.<key>=...) and experiment=deep_frozen's
+    evaluate.drafter (the training run's own evaluation, the ablation's and the sweeps') are the same settings."""
+    main = _compose("main")
+    overrides = dict(o.split("=", 1) for o in main.trained_evaluate_overrides)
+    settings = OmegaConf.to_container(_compose("train", ["experiment=deep_frozen"]).evaluate.drafter)
+    assert {f"drafter.{k}": str(v) for k, v in settings.items()} == overrides
 
 
 @pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "hinted_store",

@@ -470,3 +470,27 @@ def test_interleave_bench_runs_each_variant_each_round(tmp_path):
     assert max(short["mean_draft_width"]) <= 2 < max(long["mean_draft_width"])  # the variant's own K
     with pytest.raises(SystemExit):
         interleave.main(["--variants", "a=1", "a=1"])
+
+
+def test_training_runs_evaluate_with_the_drafters_inference_settings(tmp_path, monkeypatch):
+    """``evaluate.drafter`` of a training config reaches the trained drafter's builder (not the decoding settings,
+    not a baseline's evaluation); a key the block drafter does not have is refused by name."""
+    from omegaconf import OmegaConf
+
+    seen = []
+    monkeypatch.setattr(ev, "run_evaluation", lambda cfg: seen.append(cfg) or {})
+    cfg = OmegaConf.create({
+        "paths": {"run_dir": str(tmp_path)}, "target": {"path": "t"}, "suite": {},
+        "logger": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(tmp_path)},
+        "evaluate": {"enabled": True, "seed": 3, "drafter": {"follow_hint_after": 0, "own_draft_tokens": 3}}})
+    ev.evaluate_training_run(cfg)
+    (eval_cfg,) = seen
+    assert eval_cfg.drafter.path == str(tmp_path / "drafter") and eval_cfg.drafter.name is None
+    assert (eval_cfg.drafter.follow_hint_after, eval_cfg.drafter.own_draft_tokens) == (0, 3)
+    assert eval_cfg.seed == 3 and "enabled" not in eval_cfg
+    baseline = {"_target_": "experiments.pipeline.eval_drafters.prompt_lookup_drafter"}
+    ev.evaluate_like_training(cfg, baseline, tmp_path / "baseline")
+    assert OmegaConf.to_container(seen[-1].drafter) == baseline
+    cfg.evaluate.drafter = {"own_draft_token": 3}
+    with pytest.raises(ValueError, match=r"evaluate\.drafter\.own_draft_token: not a setting .*own_draft_tokens"):
+        ev.evaluate_training_run(cfg)

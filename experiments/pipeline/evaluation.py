@@ -45,7 +45,7 @@ from experiments.data.hashing import stable_seed
 from experiments.data.prompts import encode_prompt, left_pad
 from experiments.data.suites import Prompt, load_suites
 from experiments.data.target import eos_token_ids, load_target
-from experiments.pipeline.eval_drafters import EvalDrafter
+from experiments.pipeline.eval_drafters import EvalDrafter, drafter_config
 from experiments.pipeline.records import (
     RESULTS_FORMAT,
     check_resumable,
@@ -396,17 +396,31 @@ def _run_evaluation(cfg: DictConfig) -> dict:
     return doc
 
 
+def block_drafter_settings(settings: Mapping | None) -> dict:
+    """``evaluate.drafter`` of a training config: the trained drafter's inference settings, keys of
+    ``conf/eval/drafter/block.yaml`` other than ``path`` and ``name`` (e.g. ``follow_hint_after``,
+    ``own_draft_tokens``); an unknown key is named with the ones there are."""
+    settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else dict(settings or {})
+    known = set(drafter_config("block")) - {"_target_", "path", "name"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"evaluate.drafter.{unknown[0]}: not a setting of the block drafter "
+                         f"(conf/eval/drafter/block.yaml has {sorted(known)})")
+    return settings
+
+
 def evaluate_training_run(cfg: DictConfig) -> dict:
     """Evaluate the drafter a training run just saved (``experiments.train`` with ``evaluate.enabled``).
 
-    Uses the training config's target, suites, decoding settings (``evaluate:``) and logger (under the
+    Uses the training config's target, suites, decoding settings (``evaluate:``), the drafter's inference
+    settings (``evaluate.drafter``, :func:`block_drafter_settings`) and logger (under the
     name ``eval``, so a CSV logger does not overwrite the training curves) and writes
     ``<run dir>/results.json`` beside ``train_summary.json``, where ``experiments.report`` finds both.
     """
     run_dir = Path(cfg.paths.run_dir)
     logger = OmegaConf.to_container(cfg.logger, resolve=True) | {"name": "eval"}
     drafter = {"_target_": "experiments.pipeline.eval_drafters.block_drafter", "path": str(run_dir / "drafter"),
-               "name": None}
+               "name": None, **block_drafter_settings(cfg.evaluate.get("drafter"))}
     # The drafter was (re)trained: old results of other weights are redone.
     return evaluate_like_training(cfg, drafter, run_dir, logger=logger, redo_if_changed=True)
 
@@ -419,7 +433,8 @@ def evaluate_like_training(cfg: DictConfig, drafter: dict, run_dir: Path, *, log
     ``logger``: a logger config (default: a CSV logger in ``run_dir``); ``seed``: replaces
     ``cfg.evaluate.seed`` (the T > 0 sampling streams); ``redo_if_changed``: see :func:`_resume`.
     """
-    settings = {k: v for k, v in OmegaConf.to_container(cfg.evaluate, resolve=True).items() if k != "enabled"}
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.evaluate, resolve=True).items()
+                if k not in ("enabled", "drafter")}  # evaluate.drafter: the trained drafter's, not the baselines'
     if seed is not None:
         settings["seed"] = seed
     eval_cfg = OmegaConf.create(settings | {
