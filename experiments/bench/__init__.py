@@ -2,8 +2,9 @@
 ``learning`` (the drafter learning diagnosis), ``losses`` (loss forward+backward cost), ``scale`` (costs
 at a real model's shape, random weights), ``step`` (one speculative step vs one target step, with
 :mod:`.step_profile`), ``suite_steps`` (a suite's speculative steps, timed in their parts, and where their
-accepted drafts come from), ``train`` (training step throughput), ``verify`` (the verifier vs transformers'
-assisted generation)."""
+accepted drafts come from), ``interleave`` (evaluation settings A/B, in one process), ``free_drafts`` (the
+speedup of a drafter's own drafts replayed at no drafting cost), ``train`` (training step throughput),
+``verify`` (the verifier vs transformers' assisted generation)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,11 @@ def evaluation_config(overrides: Iterable[str]):
         cfg = compose(config_name="evaluate", overrides=list(overrides))
     fields = [f.name for f in dataclasses.fields(DecodingSettings)]
     return cfg, DecodingSettings.from_config(OmegaConf.masked_copy(cfg, [f for f in fields if f in cfg]))
+
+
+def portable_override(override: str) -> str:
+    """``key=value`` with a value that names an existing file or folder written as committed records write paths."""
+    from experiments.pipeline.paths import runs_path
+
+    key, sep, value = override.partition("=")
+    return f"{key}={runs_path(value)}" if sep and value and Path(value).expanduser().exists() else override

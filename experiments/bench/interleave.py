@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench import evaluation_config
+from experiments.bench import evaluation_config, portable_override
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
-from experiments.pipeline.paths import runs_path
 
 
 def summarize(rounds: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
@@ -64,12 +63,6 @@ def run(shared: list[str], variants: list[str], rounds: int) -> dict[str, dict[s
                 print(f"[interleave] round {r} {variant!r} {suite}: tau {e['tau']:.3f}, speedup {e['speedup']:.2f}x",
                       flush=True)
     return out
-
-
-def portable_override(override: str) -> str:
-    """``key=value`` with a value that names an existing file or folder written as committed records write paths."""
-    key, sep, value = override.partition("=")
-    return f"{key}={runs_path(value)}" if sep and value and Path(value).expanduser().exists() else override
 
 
 def main(argv: list[str] | None = None) -> dict:
