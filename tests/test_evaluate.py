@@ -530,3 +530,21 @@ def test_free_drafts_bench_replays_the_drafters_own_drafts(tmp_path):
         replay.draft(torch.tensor([9, 5]), None)
     with pytest.raises(ValueError, match=r"greedy decodes only"):
         free_drafts.main([*base, "temperatures=[1.0]", "--out", str(out)])
+
+
+def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
+    """experiments.bench.draft_cost.measure: a positive median per drafter width and target width, the drafter's
+    own_draft_tokens restored; the prefill leaves every row's anchor out of the cache."""
+    from experiments.bench import draft_cost
+
+    tok = _tokenizer()
+    target = _target(tok)
+    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, block_size=K + 1, layerwise_context=True,
+                                                shifted=True, causal_anchor=True, frozen_anchor=True)
+    drafter.own_draft_tokens = 2
+    ms = draft_cost.measure(target, drafter, batch=2, context=12, widths=[1, 0], target_widths=[1, 3], rounds=4)
+    assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}
+    assert all(v > 0 for v in ms.values()) and drafter.own_draft_tokens == 2
+    with torch.inference_mode():
+        cache, _, anchor_pos = draft_cost._prefill(target, drafter, 2, 12)
+    assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]

@@ -3,7 +3,8 @@
 at a real model's shape, random weights), ``step`` (one speculative step vs one target step, with
 :mod:`.step_profile`), ``suite_steps`` (a suite's speculative steps, timed in their parts, and where their
 accepted drafts come from), ``interleave`` (evaluation settings A/B, in one process), ``free_drafts`` (the
-speedup of a drafter's own drafts replayed at no drafting cost), ``train`` (training step throughput),
+speedup of a drafter's own drafts replayed at no drafting cost), ``draft_cost`` (one draft against the target's
+forwards), ``train`` (training step throughput),
 ``verify`` (the verifier vs transformers' assisted generation)."""
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""What one draft costs against the target's own forwards, on one batch: the drafter at each width, the target at the
+widths a step verifies, interleaved in one process.
+
+    python -m experiments.bench.draft_cost drafter.path=<run>/drafter [--batch 8] [--context 200] \\
+        [--widths 1 2 3 0] [--target-widths 1 4 16] [--rounds 25] [--out runs/draft_cost.json]
+
+The arguments are ``experiments.evaluate``'s overrides (``num_threads=2`` unless given); the drafter is built as the
+evaluation builds it. One batch of ``--batch`` rows of ``--context`` random tokens (seeded) is prefilled through the
+target, its KV cache offered to the drafter and its hidden states handed over, as :func:`verify.speculative_generate`
+does. Then, round after round, each ``draft`` at ``drafter.own_draft_tokens`` = each of ``--widths`` (0: the whole
+block), and each target forward over ``--target-widths`` new columns of that cache (cropped back after each: a
+1-column forward is one target-only decoding step). Random tokens match no n-gram, so no row copies a hint: these are
+the steps where the drafter drafts. Medians over rounds, the first 3 left out; wall ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from experiments.bench import evaluation_config, portable_override
+from experiments.data.target import load_target
+from experiments.pipeline.evaluation import build_drafter
+from verify.hf import new_growing_kv_cache
+
+SKIP = 3  # first rounds left out of the medians
+
+
+def _prefill(target, drafter, batch: int, context: int, seed: int = 0):
+    """The target's cache over ``context`` random tokens per row, handed to the drafter; the rows' anchors and their
+    positions."""
+    vocab = target.get_output_embeddings().out_features
+    ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(seed)).to(target.device)
+    mask = torch.ones_like(ids[:, :-1])
+    positions = torch.arange(context - 1, device=ids.device).expand(batch, -1)
+    cache = new_growing_kv_cache(target, 64)
+    out = target(input_ids=ids[:, :-1], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                 use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    drafter.reset(batch)
+    drafter.bind_target_cache(cache)
+    drafter.extend(ids[:, :-1], mask, positions, [out.hidden_states[i] for i in drafter.target_layer_ids])
+    return cache, ids[:, -1], torch.full((batch,), context - 1, device=ids.device)
+
+
+def measure(target, drafter, *, batch: int, context: int, widths, target_widths, rounds: int) -> dict[str, float]:
+    """Median wall ms of each ``draft W'=<w>`` (``whole block`` for 0) and ``target <n> columns`` forward."""
+    vocab = target.get_output_embeddings().out_features
+    with torch.inference_mode():
+        cache, anchor, anchor_pos = _prefill(target, drafter, batch, context)
+        columns = cache.get_seq_length()
+
+        def draft(w):
+            drafter.own_draft_tokens = w or None
+            drafter.draft(anchor, anchor_pos)
+
+        def forward(n):
+            ids = torch.randint(3, vocab, (batch, n), device=anchor.device)
+            target(input_ids=ids, attention_mask=torch.ones(batch, columns + n, dtype=torch.long, device=ids.device),
+                   position_ids=anchor_pos[:, None] + torch.arange(n, device=ids.device), past_key_values=cache,
+                   use_cache=True, logits_to_keep=n)
+            cache.crop(-n)  # back to the prefilled columns
+
+        cases = {f"draft W'={w}" if w else "draft whole block": (draft, w) for w in widths}
+        cases |= {f"target {n} column{'s' * (n > 1)}": (forward, n) for n in target_widths}
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        own = drafter.own_draft_tokens
+        try:
+            for _ in range(rounds):
+                for name, (run, arg) in cases.items():
+                    start = time.perf_counter()
+                    run(arg)
+                    times[name].append(1e3 * (time.perf_counter() - start))
+        finally:
+            drafter.own_draft_tokens = own
+    return {name: statistics.median(ts[SKIP:] or ts) for name, ts in times.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="experiments.evaluate overrides (the drafter's)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=200, help="cached columns per row")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 0],
+                        help="drafter.own_draft_tokens of each timed draft (0: the whole block)")
+    parser.add_argument("--target-widths", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--out", default="runs/draft_cost.json", help="the JSON written")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.batch < 1 or args.context < 2 or min(args.widths + args.target_widths) < 0:
+        parser.error("--rounds and --batch must be >= 1, --context >= 2, the widths >= 0")
+    overrides = list(args.overrides)
+    if not any(o.startswith("num_threads=") for o in overrides):
+        overrides.append("num_threads=2")
+    cfg, settings = evaluation_config(overrides)
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    target, _ = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(), cfg.target.trust_remote_code)
+    drafter = build_drafter(cfg, target).drafter.eval()
+    ms = measure(target, drafter, batch=args.batch, context=args.context, widths=args.widths,
+                 target_widths=args.target_widths, rounds=args.rounds)
+    doc = {"overrides": [portable_override(o) for o in overrides], "batch": args.batch, "context": args.context,
+           "rounds": args.rounds, "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                                              "threads": torch.get_num_threads()}, "median_ms": ms}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    for name, value in ms.items():
+        print(f"[draft_cost] {name}: {value:.2f} ms")
+    print(f"[draft_cost] wrote {out}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
