@@ -80,3 +80,25 @@ def portable_override(override: str) -> str:
 
     key, sep, value = override.partition("=")
     return f"{key}={runs_path(value)}" if sep and value and Path(value).expanduser().exists() else override
+
+
+def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[str]:
+    """``overrides`` plus ``key=value`` for each key of ``defaults`` they do not set."""
+    out = list(overrides)
+    out += [f"{k}={v}" for k, v in defaults.items() if not any(o.startswith(f"{k}=") for o in out)]
+    return out
+
+
+def write_record(doc: dict, out: str | Path) -> dict:
+    """``doc`` with ``machine`` (platform, torch, threads) added, written as JSON to ``out`` (its folder made)."""
+    import json
+    import platform
+
+    import torch
+
+    doc = {**doc, "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                              "threads": torch.get_num_threads()}}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc

@@ -16,15 +16,12 @@ the steps where the drafter drafts. Medians over rounds, the first 3 left out; w
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from experiments.bench import evaluation_config, portable_override
+from experiments.bench import evaluation_config, portable_override, with_defaults, write_record
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter
 from verify.hf import new_growing_kv_cache
@@ -94,9 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch < 1 or args.context < 2 or min(args.widths + args.target_widths) < 0:
         parser.error("--rounds and --batch must be >= 1, --context >= 2, the widths >= 0")
-    overrides = list(args.overrides)
-    if not any(o.startswith("num_threads=") for o in overrides):
-        overrides.append("num_threads=2")
+    overrides = with_defaults(args.overrides, {"num_threads": "2"})
     cfg, settings = evaluation_config(overrides)
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
@@ -104,15 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = build_drafter(cfg, target).drafter.eval()
     ms = measure(target, drafter, batch=args.batch, context=args.context, widths=args.widths,
                  target_widths=args.target_widths, rounds=args.rounds)
-    doc = {"overrides": [portable_override(o) for o in overrides], "batch": args.batch, "context": args.context,
-           "rounds": args.rounds, "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                              "threads": torch.get_num_threads()}, "median_ms": ms}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc = write_record({"overrides": [portable_override(o) for o in overrides], "batch": args.batch,
+                        "context": args.context, "rounds": args.rounds, "median_ms": ms}, args.out)
     for name, value in ms.items():
         print(f"[draft_cost] {name}: {value:.2f} ms")
-    print(f"[draft_cost] wrote {out}")
+    print(f"[draft_cost] wrote {args.out}")
     return doc
 
 

@@ -16,13 +16,11 @@ this batch. Replay checks each step's anchors against the record: a decode that 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-from pathlib import Path
+import functools
 
 import torch
 
-from experiments.bench import evaluation_config, portable_override
+from experiments.bench import evaluation_config, portable_override, with_defaults, write_record
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
@@ -101,7 +99,7 @@ def run(overrides: list[str], rounds: int) -> dict[str, dict[str, list[dict]]]:
                               settings=settings)
 
     suites = load_suites(cfg.suite)
-    records = {suite: record(drafter, lambda: decode(suite, prompts, drafter)) for suite, prompts in suites.items()}
+    records = {suite: record(drafter, functools.partial(decode, suite, prompts, drafter)) for suite, prompts in suites.items()}
     out: dict[str, dict[str, list[dict]]] = {suite: {"drafter": [], "free": []} for suite in suites}
     for r in range(rounds):
         for suite, prompts in suites.items():
@@ -133,21 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    overrides = list(args.overrides)
-    for key, default in (("temperatures", "[0.0]"), ("num_threads", "2")):
-        if not any(o.startswith(f"{key}=") for o in overrides):
-            overrides.append(f"{key}={default}")
+    overrides = with_defaults(args.overrides, {"temperatures": "[0.0]", "num_threads": "2"})
     runs = run(overrides, args.rounds)
-    doc = {"overrides": [portable_override(o) for o in overrides], "rounds": args.rounds,
-           "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-           "results": runs, "summary": summarize(runs)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc = write_record({"overrides": [portable_override(o) for o in overrides], "rounds": args.rounds,
+                        "results": runs, "summary": summarize(runs)}, args.out)
     for suite, s in doc["summary"].items():
         print(f"[free_drafts] {suite}: tau {s['tau']:.3f}, speedup {s['mean_speedup']:.2f}x, free drafts "
               f"{s['mean_speedup_free']:.2f}x (drafting {100 * s['drafting_share']:.0f}% of the speculative time)")
-    print(f"[free_drafts] wrote {out}")
+    print(f"[free_drafts] wrote {args.out}")
     return doc
 
 

@@ -15,14 +15,11 @@ between runs (HISTORY.md, sessions 31-36): compare variants within one file, by 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shlex
-from pathlib import Path
 
 import torch
 
-from experiments.bench import evaluation_config, portable_override
+from experiments.bench import evaluation_config, portable_override, with_defaults, write_record
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
@@ -74,21 +71,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1 or len(set(args.variants)) != len(args.variants):
         parser.error("--rounds must be >= 1 and the --variants distinct")
-    shared = list(args.overrides)
-    for key, default in (("temperatures", "[0.0]"), ("num_threads", "2")):
-        if not any(o.startswith(f"{key}=") for o in shared):
-            shared.append(f"{key}={default}")
+    shared = with_defaults(args.overrides, {"temperatures": "[0.0]", "num_threads": "2"})
     rounds = run(shared, args.variants, args.rounds)
-    doc = {"overrides": [portable_override(o) for o in shared], "variants": args.variants, "rounds": args.rounds,
-           "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-           "results": rounds, "summary": summarize(rounds)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc = write_record({"overrides": [portable_override(o) for o in shared], "variants": args.variants,
+                        "rounds": args.rounds, "results": rounds, "summary": summarize(rounds)}, args.out)
     for variant, suites in doc["summary"].items():
         print(f"[interleave] {variant!r}: " + ", ".join(
             f"{s} tau {v['tau'][0]:.3f} speedup {v['mean_speedup']:.2f}x" for s, v in suites.items()))
-    print(f"[interleave] wrote {out}")
+    print(f"[interleave] wrote {args.out}")
     return doc
 
 
