@@ -217,13 +217,15 @@ def test_hinted_drafter_trains_and_evaluates(env, store_hints):
     """drafter=hinted (the main job's: layerwise + lookup hints) through the whole pipeline: its layers start
     as the target's, it trains, saves, reloads with its design, and drafts through the exact verifier (T=0
     output = the target's greedy). With store_hints, the store of the training rows' answers is saved beside
-    it and reloaded."""
+    it and reloaded. With store hints the run's own evaluation takes the drafter's inference settings from
+    ``evaluate.drafter`` (the switch and narrow drafting, as experiment=deep_frozen sets them)."""
     name = f"lw_store{int(store_hints)}"
+    inference = ["+evaluate.drafter.follow_hint_after=0", "+evaluate.drafter.own_draft_tokens=1"] if store_hints else []
     run_main(train, [*env["base"], "drafter=hinted", f"drafter.store_hints={store_hints}", f"name={name}",
                      "train.max_steps=2", "train.val_every=2",
                      "evaluate.enabled=true", "suite=humaneval", "suite.humaneval.limit=2",
                      "evaluate.temperatures=[0.0]", "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10",
-                     "evaluate.measure_target_only=true", "evaluate.progress=false"])
+                     "evaluate.measure_target_only=true", "evaluate.progress=false", *inference])
     run_dir = env["root"] / "runs" / "train" / name
     from experiments.data.target import load_target
 
@@ -237,8 +239,11 @@ def test_hinted_drafter_trains_and_evaluates(env, store_hints):
     assert cfg.store_hints == store_hints and (run_dir / "drafter" / "hint_store.safetensors").is_file() == store_hints
     if store_hints:  # the training rows' answers, never the validation rows'
         assert len(drafter.hint_store.rows) == summary["train_rows"]
-    entry = json.loads((run_dir / "results.json").read_text())["results"]["humaneval"]["t0"]
+    results = json.loads((run_dir / "results.json").read_text())
+    entry = results["results"]["humaneval"]["t0"]
     assert entry["tau"] >= 1.0 and entry["greedy_match"] == 1.0
+    config = results["drafter"]["config"]
+    assert (config.get("follow_hint_after"), config.get("own_draft_tokens")) == ((0, 1) if store_hints else (None, None))
 
 
 def test_multirun_report_evaluates_the_baselines(env):
