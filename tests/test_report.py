@@ -179,6 +179,22 @@ def test_names_from_training_run_and_duplicates(tmp_path):
     assert training_run_info(tmp_path / "train/s1")["seed"] == 1
 
 
+def test_named_drafters_trained_with_several_seeds_are_seeds_of_one_configuration(tmp_path):
+    """``drafter.name=chain_w10`` on each seed's evaluation: the name and the training run's seed label the runs
+    (``chain_w10-s1``), one configuration over seeds; a named baseline (no training run) keeps its name alone."""
+    uniform, _ = _docs()
+    for seed in (0, 1):
+        doc = dict(uniform, drafter={"path": "/nowhere/drafter", "name": "chain_w10",
+                                     "training_run": {"loss": "chain", "seed": seed}})
+        (tmp_path / f"eval{seed}").mkdir()
+        (tmp_path / f"eval{seed}" / "results.json").write_text(json.dumps(doc))
+    (tmp_path / "lookup").mkdir()
+    (tmp_path / "lookup" / "results.json").write_text(json.dumps(dict(uniform, drafter={"name": "prompt_lookup"})))
+    runs = rp.load_runs([tmp_path / "eval0", tmp_path / "eval1", tmp_path / "lookup"])
+    assert [(r.name, r.config, r.seed) for r in runs] == [("chain_w10-s0", "chain_w10", 0),
+                                                         ("chain_w10-s1", "chain_w10", 1), ("prompt_lookup", "prompt_lookup", None)]
+
+
 def test_runs_sharing_loss_and_seed_keep_their_own_rows(tmp_path):
     """Three drafter designs trained with loss=decay, seed 0 into one sweep dir (the bug: two were labelled
     alike and merged, one vanished): each is named by its directory and keeps its own numbers; names given

@@ -65,10 +65,12 @@ class Run:
 
 
 def _auto_name(path: Path, doc: dict) -> tuple[str, Any]:
-    """``(name, seed)``: the drafter's own name (baselines: ``prompt_lookup``, ``ar_assistant``), else the
-    loss choice beside the results or of the drafter's training run, else the dir name."""
-    if (doc.get("drafter") or {}).get("name"):
-        return str(doc["drafter"]["name"]), None
+    """``(name, seed)``: the drafter's own name (baselines: ``prompt_lookup``, ``ar_assistant``; a trained drafter
+    evaluated with ``drafter.name=...``, with its training run's seed), else the loss choice beside the results or
+    of the drafter's training run, else the dir name."""
+    drafter = doc.get("drafter") or {}
+    if drafter.get("name"):
+        return str(drafter["name"]), (drafter.get("training_run") or {}).get("seed")
     info = training_run_info(path.parent) or {}
     if info.get("loss"):
         return info["loss"], info.get("seed")
