@@ -9,6 +9,8 @@ forwards), ``train`` (training step throughput),
 
 from __future__ import annotations
 
+import json
+import platform
 import resource
 from collections.abc import Iterable
 from pathlib import Path
@@ -91,9 +93,6 @@ def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[st
 
 def write_record(doc: dict, out: str | Path) -> dict:
     """``doc`` with ``machine`` (platform, torch, threads) added, written as JSON to ``out`` (its folder made)."""
-    import json
-    import platform
-
     import torch
 
     doc = {**doc, "machine": {"platform": platform.platform(), "torch": torch.__version__,

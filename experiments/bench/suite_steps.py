@@ -17,13 +17,10 @@ medians: a suite's time is their sum. One run of one machine: compare parts with
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-from pathlib import Path
 
 import torch
 
-from experiments.bench import evaluation_config
+from experiments.bench import evaluation_config, with_defaults, write_record
 from experiments.bench.step_profile import StepClock, device_sync, timed_parts
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
@@ -74,17 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="experiments.evaluate overrides (drafter.path=..., suite...)")
     parser.add_argument("--out", default="runs/suite_steps.json", help="the JSON written")
     args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    if not any(o.startswith("temperatures=") for o in overrides):
-        overrides.append("temperatures=[0.0]")
+    overrides = with_defaults(args.overrides, {"temperatures": "[0.0]"})
     cfg, settings = evaluation_config(overrides)
-    doc = {"overrides": overrides,
-           "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-           "suites": profile_suites(cfg, settings)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"[suite_steps] wrote {out}")
+    doc = write_record({"overrides": overrides, "suites": profile_suites(cfg, settings)}, args.out)
+    print(f"[suite_steps] wrote {args.out}")
     return doc
 
 
