@@ -552,6 +552,14 @@ class BlockDiffusionDrafter(nn.Module):
     #: computes and copies no context column, and the drafter keeps no cache of its own. False: always its own.
     share_target_cache: bool = True
 
+    #: Under :attr:`follow_hint_after` = 0: run the drafter's layers only in steps where at least this many
+    #: rows draft themselves (rows whose hint rests on fewer than :attr:`follow_hint_min_ngram` tokens); in the
+    #: other steps every row copies its hint however short (a row with none proposes MASK tokens, rejected at
+    #: once). At small batch on a CPU a pass costs nearly the same for one row as for all of them, so a step
+    #: where few rows draft may be better off without it. Exact (decided from the hints, before any pass).
+    #: None or 1: whenever some row drafts.
+    min_drafting_rows: int | None = None
+
     def reset(self, batch_size: int) -> None:
         self._columns = 0
         self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
@@ -799,12 +807,11 @@ class BlockDiffusionDrafter(nn.Module):
             raise ValueError(f"own_draft_tokens={self.own_draft_tokens}: must be >= 1 (or None: all K)")
         own_width = width if self.own_draft_tokens is None else min(width, self.own_draft_tokens)
         block = self._block_inputs(anchor_ids, anchor_position_ids, None if self.own_draft_tokens is None else own_width)
-        follow = None  # (B,) bool: rows that draft the lookup hint's block
-        copies = self.follow_hint_after == 0 and bool(self._hint_rows().any())  # some row copies its hint
+        follow = self._copied_rows() if self.follow_hint_after == 0 else None  # (B,) bool: rows that copy their hint
+        copies = follow is not None and bool(follow.any())  # some row copies its hint
         if copies:
             # Known before any pass: the drafter runs on the other rows only (a copied hint is drafted whole,
             # W slots); the copied rows' logits are placeholders, replaced by their hints below.
-            follow = self._hint_rows()
             own = (~follow).nonzero().squeeze(1)  # (b,)
             logits = torch.zeros(follow.shape[0], own_width, self.target.get_output_embeddings().out_features,
                                  device=follow.device)  # (B, W', V) float32, as _head returns
@@ -843,12 +850,14 @@ class BlockDiffusionDrafter(nn.Module):
 
     def _label_rows(self, follow: torch.Tensor | None, rows: int) -> list[str] | None:
         """Per row, what drafts it: ``hint:prompt`` / ``hint:store`` (a copied hint of the row's own tokens or
-        of the hint store) or ``drafter`` (the drafter's tokens); None for drafters without lookup hints."""
+        of the hint store), ``hint:none`` (a copied row with no hint: :attr:`min_drafting_rows`) or ``drafter``
+        (the drafter's tokens); None for drafters without lookup hints."""
         if not self.config.lookup_hints:
             return None
         copied = follow.tolist() if follow is not None else [False] * rows
-        store = self._block_hints[2].tolist()
-        return [("hint:store" if s else "hint:prompt") if c else "drafter" for c, s in zip(copied, store)]
+        _, ngram, store = (h.tolist() for h in self._block_hints)
+        kinds = ["hint:store" if s else "hint:prompt" if n else "hint:none" for n, s in zip(ngram, store)]
+        return [kind if c else "drafter" for c, kind in zip(copied, kinds)]
 
     def draft_sources(self) -> list[str] | None:
         """What drafted each row of the last :meth:`draft` (see :meth:`_label_rows`; the drafter protocol's
@@ -859,6 +868,14 @@ class BlockDiffusionDrafter(nn.Module):
         """(B,) bool: rows whose hint rests on an n-gram of at least ``follow_hint_min_ngram`` tokens (under
         ``follow_hint_after = 0`` exactly the rows that copy it, known before any pass)."""
         return self._block_hints[1] >= max(1, self.follow_hint_min_ngram)
+
+    def _copied_rows(self) -> torch.Tensor:
+        """(B,) bool under ``follow_hint_after = 0``, before any pass: the rows whose hint rests on at least
+        ``follow_hint_min_ngram`` tokens, or every row where fewer than :attr:`min_drafting_rows` would draft."""
+        follow = self._hint_rows()
+        if self.min_drafting_rows is not None and int((~follow).sum()) < self.min_drafting_rows:
+            return torch.ones_like(follow)
+        return follow
 
     def _follows_hint(self, logits: torch.Tensor) -> torch.Tensor:
         """(B,) bool: rows whose block is the lookup hint under :attr:`follow_hint_after` (logits (B, >= m, V))."""

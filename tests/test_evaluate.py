@@ -393,6 +393,11 @@ def test_block_drafter_confidence_threshold(assets):
     for bad in (0, k + 1):
         with pytest.raises(ValueError, match=rf"drafter.own_draft_tokens={bad}: must be in 1..{k}"):
             block_drafter(target, str(assets / "drafter"), own_draft_tokens=bad)
+    assert plain.drafter.min_drafting_rows is None and "min_drafting_rows" not in plain.info["config"]
+    for bad in (0, 2):  # below 1, or without follow_hint_after=0
+        with pytest.raises(ValueError, match=rf"drafter.min_drafting_rows={bad}: must be >= 1 and needs "
+                                             r"drafter.follow_hint_after=0 \(got None\)"):
+            block_drafter(target, str(assets / "drafter"), min_drafting_rows=bad)
 
 
 def test_block_drafter_hint_data_dir(assets, tmp_path):

@@ -257,6 +257,49 @@ def test_rows_that_copy_their_hint_skip_the_drafters_passes(refine_passes):
         assert drafter.draft(anchors, positions)[0].tolist() == [[12, 13, 20, 10], [12, 13, 20, 21]]
         assert passes == []
 
+def test_min_drafting_rows_skips_the_drafter_where_too_few_rows_draft():
+    """min_drafting_rows = 2 with one drafting row: no pass at all, row 0 copies its 2-gram hint and row 1 its
+    1-gram hint (labelled hint:prompt); min_drafting_rows = 1 is the plain rule; a row with no hint copies MASK
+    tokens and is labelled hint:none."""
+    drafter, anchors, positions = _two_rows_one_copying()
+    passes, block_pass = [], drafter._block_pass
+    drafter._block_pass = lambda block_ids, *rest: passes.append(block_ids.shape[0]) or block_pass(block_ids, *rest)
+    with torch.no_grad():
+        drafter.min_drafting_rows = 1
+        plain, _ = drafter.draft(anchors, positions)
+        assert passes == [1] and drafter.draft_sources() == ["hint:prompt", "drafter"]
+        passes.clear()
+        drafter.min_drafting_rows = 2
+        gated, q = drafter.draft(anchors, positions, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        assert passes == [] and drafter.draft_sources() == ["hint:prompt", "hint:prompt"]
+        assert gated.tolist() == [[12, 13, 20, 10], [12, 13, 20, 21]] and gated[0].tolist() == plain[0].tolist()
+        assert torch.equal(q, torch.nn.functional.one_hot(gated, q.shape[-1]).float())
+        drafter._block_hints[1][1] = 0  # as if row 1 had no match: its MASK hint is copied, labelled hint:none
+        drafter._block_hints[0][1] = drafter.config.mask_token_id
+        assert drafter._propose(torch.zeros(2, 4, q.shape[-1]), drafter._copied_rows(), True, 4, 0.0, None, None,
+                                None)[0][1].tolist() == [drafter.config.mask_token_id] * 4
+        assert drafter._label_rows(drafter._copied_rows(), 2) == ["hint:prompt", "hint:none"]
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_min_drafting_rows_keeps_greedy_identity(rows):
+    target = tiny_target("llama", vocab_size=64)
+    torch.manual_seed(7)
+    drafter = build_drafter(target, "hinted", block_size=5)
+    prompts, mask = left_padded_prompts([6, 12, 9], 64, seed=5)
+    ids = torch.cat([prompts, prompts[:, -4:]], 1)
+    mask = torch.cat([mask, torch.ones_like(mask[:, -4:])], 1)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
+    plain = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
+    drafter.min_drafting_rows = rows
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
+    assert torch.equal(out.sequences, ref) and torch.equal(plain.sequences, ref)
+    assert out.accepted_counts != plain.accepted_counts  # some step skipped the drafter
+    if rows > 3:  # more than the batch: the drafter never drafts
+        assert all(s != "drafter" for step in out.draft_sources for s in step)
+
+
 def test_own_draft_tokens_runs_a_narrow_block_and_proposes_hints_past_it():
     """own_draft_tokens = 2 (K = 4): the drafter's layers run on [anchor, slot 1, slot 2] only; slot 1 is the
     whole block's (causal anchor) and slot 2 the narrow block's own argmax; where another row copies its hint

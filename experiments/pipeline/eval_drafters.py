@@ -66,7 +66,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
                   hint_data_dir: str | None = None, share_target_cache: bool = True,
-                  own_draft_tokens: int | None = None) -> EvalDrafter:
+                  own_draft_tokens: int | None = None, min_drafting_rows: int | None = None) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -84,12 +84,15 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     numbers (:attr:`BlockDiffusionDrafter.share_target_cache`; the drafts do not change, only the time).
     ``own_draft_tokens``: the drafter's layers compute only slots 1..W' (a block of W' + 1 columns), and the
     step verifies W' slots unless some row copies its hint (:attr:`BlockDiffusionDrafter.own_draft_tokens`;
-    exact; None = all K).
+    exact; None = all K). ``min_drafting_rows``: with ``follow_hint_after=0``, run the drafter's layers only in
+    steps where at least this many rows draft (else every row copies its hint;
+    :attr:`BlockDiffusionDrafter.min_drafting_rows`; exact; None = whenever one does).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
     directory, drafter = _load_block_drafter(target, path)
-    _check_block_settings(drafter, path, follow_hint_after, follow_hint_min_ngram, max_draft_tokens, own_draft_tokens)
+    _check_block_settings(drafter, path, follow_hint_after, follow_hint_min_ngram, max_draft_tokens, own_draft_tokens,
+                          min_drafting_rows)
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
@@ -99,9 +102,11 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
     drafter.follow_hint_min_ngram, drafter.max_draft_tokens = follow_hint_min_ngram, max_draft_tokens
     drafter.share_target_cache, drafter.own_draft_tokens = share_target_cache, own_draft_tokens
+    drafter.min_drafting_rows = min_drafting_rows
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
                 "max_draft_tokens": max_draft_tokens, "own_draft_tokens": own_draft_tokens, "hint_data_dir": hint_data_dir,
+                "min_drafting_rows": min_drafting_rows,
                 "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(drafter.hint_store.rows) if drafter.hint_store is not None else None}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
@@ -118,7 +123,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
 
 
 def _check_block_settings(drafter, path: str, follow_hint_after, follow_hint_min_ngram: int, max_draft_tokens,
-                          own_draft_tokens) -> None:
+                          own_draft_tokens, min_drafting_rows=None) -> None:
     """Refuse :func:`block_drafter`'s settings that ``drafter`` (loaded from ``path``) cannot take, naming the key."""
     if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
         raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
@@ -135,6 +140,9 @@ def _check_block_settings(drafter, path: str, follow_hint_after, follow_hint_min
     if own_draft_tokens is not None and not 1 <= own_draft_tokens <= drafter.num_draft_tokens:
         raise ValueError(f"drafter.own_draft_tokens={own_draft_tokens}: must be in 1..{drafter.num_draft_tokens} "
                          f"(K of {path}) or null")
+    if min_drafting_rows is not None and (min_drafting_rows < 1 or follow_hint_after != 0):
+        raise ValueError(f"drafter.min_drafting_rows={min_drafting_rows}: must be >= 1 and needs "
+                         f"drafter.follow_hint_after=0 (got {follow_hint_after}), or null")
 
 
 def _load_block_drafter(target, path: str) -> tuple[Path, BlockDiffusionDrafter]:
