@@ -477,6 +477,22 @@ def test_interleave_bench_runs_each_variant_each_round(tmp_path):
         interleave.main(["--variants", "a=1", "a=1"])
 
 
+def test_portable_override_writes_cache_and_runs_folders_by_their_variables(tmp_path, monkeypatch):
+    """Benchmarks' records name a data folder of the cache as $BLOCKDRAFT_CACHE/..., a run as $BLOCKDRAFT_RUNS/...,
+    each override of a space-joined variant so, and leave other values as given."""
+    from experiments.bench import portable_override
+
+    cache, runs = tmp_path / "cache", tmp_path / "runs"
+    (cache / "regen" / "tiny" / "abc").mkdir(parents=True)
+    (runs / "train" / "x" / "drafter").mkdir(parents=True)
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(cache))
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(runs))
+    variant = f"drafter.hint_data_dir={cache}/regen/tiny/abc drafter.path={runs}/train/x/drafter drafter.min_drafting_rows=3"
+    assert portable_override(variant) == ("drafter.hint_data_dir=$BLOCKDRAFT_CACHE/regen/tiny/abc "
+                                          "drafter.path=$BLOCKDRAFT_RUNS/train/x/drafter drafter.min_drafting_rows=3")
+    assert portable_override(f"drafter.path={tmp_path}/missing") == f"drafter.path={tmp_path}/missing"
+
+
 def test_training_runs_evaluate_with_the_drafters_inference_settings(tmp_path, monkeypatch):
     """``evaluate.drafter`` of a training config reaches the trained drafter's builder (not the decoding settings,
     not a baseline's evaluation); a key the block drafter does not have is refused by name."""

@@ -77,11 +77,17 @@ def evaluation_config(overrides: Iterable[str]):
 
 
 def portable_override(override: str) -> str:
-    """``key=value`` with a value that names an existing file or folder written as committed records write paths."""
-    from experiments.pipeline.paths import runs_path
+    """``key=value`` with a value that names an existing file or folder written as committed records write paths
+    (``$BLOCKDRAFT_CACHE/...`` inside the data cache); several overrides joined by spaces, each so."""
+    from experiments.pipeline.paths import cache_path, runs_path
 
+    if " " in override:
+        return " ".join(portable_override(o) for o in override.split(" ") if o)
     key, sep, value = override.partition("=")
-    return f"{key}={runs_path(value)}" if sep and value and Path(value).expanduser().exists() else override
+    if not (sep and value and Path(value).expanduser().exists()):
+        return override
+    cached = cache_path(value)
+    return f"{key}={cached if cached != value else runs_path(value)}"
 
 
 def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[str]:
