@@ -569,3 +569,22 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     with torch.inference_mode():
         cache, _, anchor_pos = draft_cost._prefill(target, drafter, 2, 12)
     assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]
+
+
+def test_interleave_plot_draws_each_variant_and_refuses_wrong_names(tmp_path):
+    """experiments.bench.interleave_plot: τ against speedup from an interleave record, one point per variant and
+    suite; --names must name every variant, --tau-bar needs suite=number."""
+    from experiments.bench import interleave_plot
+
+    summary = {"a=1": {"humaneval": {"tau": [2.0, 2.0], "speedup": [1.1, 1.3]}},
+               "a=2": {"humaneval": {"tau": [3.0, 3.0], "speedup": [0.9, 1.0]}}}
+    record = tmp_path / "ab.json"
+    record.write_text(json.dumps({"summary": summary}))
+    pts = interleave_plot.points(summary, ["one", "two"])
+    assert pts == {"one": {"humaneval": (2.0, [1.1, 1.3])}, "two": {"humaneval": (3.0, [0.9, 1.0])}}
+    path = interleave_plot.main([str(record), "--tau-bar", "humaneval=2.5", "--speed-bar", "1.3"])
+    assert path == tmp_path / "ab.png" and path.stat().st_size > 1000
+    with pytest.raises(ValueError, match="--names has 1 names for 2 variants"):
+        interleave_plot.points(summary, ["one"])
+    with pytest.raises(SystemExit, match="expected suite=number"):
+        interleave_plot.main([str(record), "--tau-bar", "humaneval"])

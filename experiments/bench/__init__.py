@@ -2,7 +2,7 @@
 ``learning`` (the drafter learning diagnosis), ``losses`` (loss forward+backward cost), ``scale`` (costs
 at a real model's shape, random weights), ``step`` (one speculative step vs one target step, with
 :mod:`.step_profile`), ``suite_steps`` (a suite's speculative steps, timed in their parts, and where their
-accepted drafts come from), ``interleave`` (evaluation settings A/B, in one process), ``free_drafts`` (the
+accepted drafts come from), ``interleave`` (evaluation settings A/B, in one process; ``interleave_plot``: τ against speedup), ``free_drafts`` (the
 speedup of a drafter's own drafts replayed at no drafting cost), ``draft_cost`` (one draft against the target's
 forwards), ``train`` (training step throughput),
 ``verify`` (the verifier vs transformers' assisted generation)."""
@@ -98,11 +98,14 @@ def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[st
 
 
 def write_record(doc: dict, out: str | Path) -> dict:
-    """``doc`` with ``machine`` (platform, torch, threads) added, written as JSON to ``out`` (its folder made)."""
+    """``doc`` with ``machine`` (platform, torch, threads) added and its ``overrides`` written portably
+    (:func:`portable_override`), written as JSON to ``out`` (its folder made)."""
     import torch
 
     doc = {**doc, "machine": {"platform": platform.platform(), "torch": torch.__version__,
                               "threads": torch.get_num_threads()}}
+    if "overrides" in doc:
+        doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")

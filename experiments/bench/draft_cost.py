@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from experiments.bench import evaluation_config, portable_override, with_defaults, write_record
+from experiments.bench import evaluation_config, with_defaults, write_record
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter
 from verify.hf import new_growing_kv_cache
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = build_drafter(cfg, target).drafter.eval()
     ms = measure(target, drafter, batch=args.batch, context=args.context, widths=args.widths,
                  target_widths=args.target_widths, rounds=args.rounds)
-    doc = write_record({"overrides": [portable_override(o) for o in overrides], "batch": args.batch,
+    doc = write_record({"overrides": overrides, "batch": args.batch,
                         "context": args.context, "rounds": args.rounds, "median_ms": ms}, args.out)
     for name, value in ms.items():
         print(f"[draft_cost] {name}: {value:.2f} ms")

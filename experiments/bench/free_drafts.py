@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from experiments.bench import evaluation_config, portable_override, with_defaults, write_record
+from experiments.bench import evaluation_config, with_defaults, write_record
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--rounds must be >= 1")
     overrides = with_defaults(args.overrides, {"temperatures": "[0.0]", "num_threads": "2"})
     runs = run(overrides, args.rounds)
-    doc = write_record({"overrides": [portable_override(o) for o in overrides], "rounds": args.rounds,
+    doc = write_record({"overrides": overrides, "rounds": args.rounds,
                         "results": runs, "summary": summarize(runs)}, args.out)
     for suite, s in doc["summary"].items():
         print(f"[free_drafts] {suite}: tau {s['tau']:.3f}, speedup {s['mean_speedup']:.2f}x, free drafts "

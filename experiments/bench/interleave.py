@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--rounds must be >= 1 and the --variants distinct")
     shared = with_defaults(args.overrides, {"temperatures": "[0.0]", "num_threads": "2"})
     rounds = {portable_override(v): r for v, r in run(shared, args.variants, args.rounds).items()}
-    doc = write_record({"overrides": [portable_override(o) for o in shared], "variants": list(rounds),
+    doc = write_record({"overrides": shared, "variants": list(rounds),
                         "rounds": args.rounds, "results": rounds, "summary": summarize(rounds)}, args.out)
     for variant, suites in doc["summary"].items():
         print(f"[interleave] {variant!r}: " + ", ".join(

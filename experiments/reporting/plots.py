@@ -249,3 +249,33 @@ def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_tau_speed(points: dict[str, dict[str, tuple[float, list[float]]]], path: Path,
+                   tau_bars: dict[str, float] | None = None, speed_bar: float | None = None,
+                   title: str = "Accepted length against speed, one point per variant") -> Path:
+    """One panel per suite: each variant's τ (x) against its speedups over the target (y: the mean, and each
+    round as a faint dot). ``points``: ``{variant: {suite: (tau, [speedup per round])}}``; ``tau_bars``
+    (per suite) and ``speed_bar`` draw dashed lines, so the corner both bars ask for is the upper right."""
+    plt = _pyplot()
+    names = list(points)
+    suites = list(dict.fromkeys(s for by_suite in points.values() for s in by_suite))
+    colors = _colors(names)
+    fig, axes = plt.subplots(1, len(suites), figsize=(4.2 * len(suites), 4.4), squeeze=False, layout="constrained")
+    for ax, suite in zip(axes[0], suites):
+        for name in names:
+            if suite not in points[name]:
+                continue
+            tau, speeds = points[name][suite]
+            ax.scatter([tau] * len(speeds), speeds, color=colors[name], alpha=0.3, s=12)
+            ax.scatter([tau], [sum(speeds) / len(speeds)], color=colors[name], s=40, label=name)
+        if tau_bars and suite in tau_bars:
+            ax.axvline(tau_bars[suite], color="grey", linestyle="--", linewidth=1)
+        if speed_bar is not None:
+            ax.axhline(speed_bar, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(suite)
+        ax.set_xlabel("T=0 τ")
+        ax.set_ylabel("speedup over the target alone")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return _save(plt, fig, axes, names, path)
