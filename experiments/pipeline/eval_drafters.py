@@ -123,7 +123,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
 
 
 def _check_block_settings(drafter, path: str, follow_hint_after, follow_hint_min_ngram: int, max_draft_tokens,
-                          own_draft_tokens, min_drafting_rows=None) -> None:
+                          own_draft_tokens, min_drafting_rows) -> None:
     """Refuse :func:`block_drafter`'s settings that ``drafter`` (loaded from ``path``) cannot take, naming the key."""
     if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
         raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
