@@ -28,7 +28,7 @@ from drafters.config import accepts_argument, check_same_config
 from drafters.optim import warmup_cosine, weight_decay_groups
 from drafters.tau import batch_tau_counts
 from drafters.validation import ValidationSums
-from drafters.vocab import lookup_table
+from drafters.vocab import TrainVocab
 
 # warmup_cosine stays importable from here: the configs (and saved runs' configs) name it
 # drafters.module.warmup_cosine.
@@ -53,6 +53,7 @@ class DrafterLightningModule(L.LightningModule):
         train_vocab_size: training logits over this many frequent response tokens only (a cheaper step;
             :mod:`drafters.vocab`; set by :meth:`set_train_vocab`); None = the full vocabulary. Validation
             and drafting always use the full vocabulary.
+        train_vocab_negatives: ids outside the candidate vocabulary scored each step (a sampled softmax).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class DrafterLightningModule(L.LightningModule):
         val_anchor_chunk: int = 64,
         seed: int = 0,
         train_vocab_size: int | None = None,
+        train_vocab_negatives: int = 0,
     ):
         super().__init__()
         if num_anchors < 1:
@@ -78,8 +80,8 @@ class DrafterLightningModule(L.LightningModule):
         self.num_anchors, self.val_anchor_chunk, self.seed = num_anchors, val_anchor_chunk, seed
         self._logits_to_keep = accepts_argument(target.forward, "logits_to_keep")
         self.val_sums: ValidationSums | None = None  # made by the first validation step (loss components)
-        self.train_vocab_size = train_vocab_size
-        self.train_vocab: tuple[torch.Tensor, torch.Tensor] | None = None  # (vocab_ids, lookup table)
+        self.train_vocab_size, self.train_vocab_negatives = train_vocab_size, train_vocab_negatives
+        self.train_vocab: TrainVocab | None = None
 
     def __getstate__(self) -> dict:
         strip_output_capturing_hooks(self.target)  # picklable for ddp_spawn
@@ -109,11 +111,11 @@ class DrafterLightningModule(L.LightningModule):
 
     def set_train_vocab(self, vocab_ids: torch.Tensor) -> None:
         """The candidate vocabulary (V',) of the training loss (:func:`drafters.vocab.frequent_tokens`)."""
-        self.train_vocab = (vocab_ids, lookup_table(vocab_ids, self.drafter.vocab_size))
+        self.train_vocab = TrainVocab.build(vocab_ids, self.drafter.vocab_size, self.train_vocab_negatives)
 
     def _blocks(self, batch, states, target_logits, generator, vocab=None):
         if vocab is not None:
-            vocab = tuple(t.to(self.device) for t in vocab)
+            vocab = vocab.to(self.device)
         return select_blocks(self.drafter, batch, states, target_logits, self.num_anchors, generator,
                              soft=getattr(self.loss, "soft", False), vocab=vocab)
 

@@ -7,7 +7,7 @@ from conftest import tiny_target
 
 from drafters import BlockDiffusionDrafter
 from drafters.blocks import select_blocks
-from drafters.vocab import coverage, frequent_tokens, lookup_table, remap_labels
+from drafters.vocab import TrainVocab, coverage, frequent_tokens, lookup_table, remap_labels
 
 
 def test_frequent_tokens_keeps_the_most_frequent_and_the_forced_ids():
@@ -39,9 +39,17 @@ def test_candidate_logits_are_the_full_logits_columns():
     full, labels, mask, _ = select_blocks(drafter, batch, states, None, 16, gen)
     gen = torch.Generator().manual_seed(0)
     part, sub_labels, sub_mask, _ = select_blocks(drafter, batch, states, None, 16, gen,
-                                                  vocab=(vocab_ids, lookup_table(vocab_ids, 64)))
+                                                  vocab=TrainVocab.build(vocab_ids, 64))
     kept = remap_labels(labels, mask, lookup_table(vocab_ids, 64))[1].any(-1)  # blocks left with a label
     assert not kept.all() and part.shape == (int(kept.sum()), 3, len(vocab_ids))
     torch.testing.assert_close(part, full[kept][..., vocab_ids])
     assert torch.equal(vocab_ids[sub_labels][sub_mask], labels[kept][sub_mask])
     assert sub_mask.sum() < mask[kept].sum()  # the label left out cuts its blocks
+
+
+def test_sampled_negatives_come_from_outside_the_candidates_after_them():
+    vocab = TrainVocab.build(torch.tensor([1, 4, 9]), 12, negatives=5)
+    cols = vocab.columns(torch.Generator().manual_seed(0))
+    assert cols[:3].tolist() == [1, 4, 9] and len(cols) == 8 and len(set(cols.tolist())) == 8
+    assert not set(cols[3:].tolist()) & {1, 4, 9}
+    assert TrainVocab.build(torch.tensor([1, 4, 9]), 12).columns(torch.Generator()).tolist() == [1, 4, 9]

@@ -41,7 +41,7 @@ from drafters.blocks import select_blocks
 from drafters.module import DrafterLightningModule
 from drafters.optim import warmup_cosine
 from drafters.tau import anchor_acceptance
-from drafters.vocab import lookup_table
+from drafters.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
 
@@ -91,7 +91,7 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     vocab = None
     if args.train_vocab_size:  # the most frequent ids stand in for a candidate vocabulary (timing only)
         vocab_ids = torch.arange(min(args.train_vocab_size, drafter.vocab_size), device=args.device)
-        vocab = (vocab_ids, lookup_table(vocab_ids, drafter.vocab_size))
+        vocab = TrainVocab.build(vocab_ids, drafter.vocab_size, args.train_vocab_negatives)
         batch = {**batch, "input_ids": batch["input_ids"] % len(vocab_ids)}
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -164,6 +164,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--train-vocab-size", type=int, default=None,
                    help="training logits over this many ids only (module.train_vocab_size; drafters/vocab.py)")
+    p.add_argument("--train-vocab-negatives", type=int, default=0, help="other ids scored per step (sampled softmax)")
     p.add_argument("--bf16", action="store_true", help="the drafter's forward under bfloat16 autocast")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
