@@ -117,7 +117,8 @@ RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "sche
                "train.gradient_clip_val", "train.accumulate_grad_batches")
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
                "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
-               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing")
+               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
+               "drafter.allow_other_target")
 FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
