@@ -89,8 +89,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     exact; None = all K). ``min_drafting_rows``: with ``follow_hint_after=0``, run the drafter's layers only in
     steps where at least this many rows draft (else every row copies its hint;
     :attr:`BlockDiffusionDrafter.min_drafting_rows`; exact; None = whenever one does).
-    ``allow_other_target``: use the drafter with a target whose weights are not those it was trained for
-    (:func:`drafters.checks.check_target_weights` refuses that by default; recorded in results.json).
+    ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")

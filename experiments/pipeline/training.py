@@ -47,6 +47,7 @@ from drafters.model import DrafterConfig, target_fingerprint
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
+from experiments.pipeline.run_folder import commit_hydra_records, discard_hydra_records
 from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
 
 
@@ -177,8 +178,11 @@ def train(cfg: DictConfig) -> dict:
     check_train_numbers(cfg)
     if not _rank_zero():  # DDP workers: rank 0 owns the run dir
         return _train(cfg, run_dir)
-    with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
-        return _train(cfg, run_dir)
+    try:
+        with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
+            return _train(cfg, run_dir)
+    finally:
+        discard_hydra_records()  # refused before owning the run dir: its .hydra/ stays the owner's
 
 
 def _rank_zero() -> bool:
@@ -253,7 +257,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     _, _, module, datamodule = build(cfg)
     datamodule.setup("fit")  # fails early on an empty or missing dataset
     attach_hint_store(module.drafter, datamodule.train_set)
-    if _rank_zero():
+    if _rank_zero():  # checked and built: this job's records replace the run's
+        commit_hydra_records(run_dir)
         locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
