@@ -55,7 +55,7 @@ from experiments.pipeline.records import (
     suite_digests,
     temperature_key,
 )
-from experiments.pipeline.run_folder import commit_hydra_records, discard_hydra_records
+from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.settings import DecodingSettings
 from verify.generate import speculative_generate, target_generate
 from verify.hf import max_positions
@@ -387,7 +387,8 @@ def _run_evaluation(cfg: DictConfig) -> dict:
     results_path = Path(cfg.results_path)
     if results_path.is_file():
         _resume(doc, results_path, bool(cfg.get("redo_if_changed", False)))
-    commit_hydra_records(results_path.parent)  # checked: this job's .hydra/ replaces the folder's
+    commit_hydra_records(results_path.parent)  # checked: this job's .hydra/ replaces the folder's, its log joins
+    commit_job_log(results_path.parent)
     logger = hydra.utils.instantiate(cfg.logger)
     for suite, entries in doc["results"].items():  # a restarted CSV logger starts a fresh file: log them again
         for key, entry in entries.items():

@@ -7,7 +7,9 @@ own settings there, contradicting the run's weights, ``run_settings.json`` and `
 ``experiments.train`` and ``experiments.evaluate`` therefore have Hydra write them to a staging folder of the
 process outside the run folder (``hydra.output_subdir: ${hydra_staging:}``, :func:`staging_dir`), and the stage
 copies them into ``<run folder>/.hydra`` (:func:`commit_hydra_records`) only once it owns the folder and its
-checks passed; a job that ends before that leaves the folder as it was (:func:`discard_hydra_records`).
+checks passed; a job that ends before that leaves the folder as it was (:func:`discard_hydra_records`). The job's
+log file is staged alike (``<staging folder>.<job name>.log``) and moved to ``<run folder>/<job name>.log`` (appended
+to the owner's) at the same point, its handler then writing there.
 
 :class:`RunFolderCheck` (a Hydra callback of every entry point, ``conf/run_dirs.yaml``) refuses a run folder that
 cannot be written before Hydra configures its log file there, with one line naming the folder and the permission.
@@ -15,6 +17,7 @@ cannot be written before Hydra configures its log file there, with one line nami
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -37,16 +40,19 @@ def staging_dir() -> str:
     return str(Path(tempfile.gettempdir()) / f"blockdraft-hydra-{uid}" / f"{socket.gethostname()}-{os.getpid()}")
 
 
-def _staged_for(run_dir: Path) -> Path | None:
+def _staged_for(run_dir: Path, require_records: bool = True) -> Path | None:
     """The staged records of the current Hydra job when ``run_dir`` is its output folder, else None (no Hydra job,
-    records written in place or not at all, or another folder, e.g. an evaluation a training job runs elsewhere)."""
+    records written in place or not at all, or another folder, e.g. an evaluation a training job runs elsewhere).
+    ``require_records=False``: the staging folder whether or not this job writes records there (DDP workers)."""
     if not HydraConfig.initialized():
         return None
     hydra_cfg = HydraConfig.get()
     output_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None)
     subdir = OmegaConf.select(hydra_cfg, "output_subdir", default=None)
-    if output_dir is None or subdir is None or Path(output_dir).resolve() != Path(run_dir).expanduser().resolve():
+    if output_dir is None or Path(output_dir).resolve() != Path(run_dir).expanduser().resolve():
         return None
+    if subdir is None:
+        return None if require_records else Path(staging_dir())
     staged = (Path(output_dir) / str(subdir)).resolve()
     return staged if staged == Path(staging_dir()).resolve() else None
 
@@ -67,9 +73,40 @@ def commit_hydra_records(run_dir: str | Path) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
+def _staged_logs() -> list[logging.FileHandler]:
+    """The file handlers of the root logger writing into this process's staged job logs."""
+    prefix = Path(staging_dir()).name + "."
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+            and Path(h.baseFilename).parent == Path(staging_dir()).parent and Path(h.baseFilename).name.startswith(prefix)]
+
+
+def commit_job_log(run_dir: str | Path) -> None:
+    """Append this job's staged log to ``<run_dir>/<job name>.log`` and point its handler there (every rank of a
+    job calls it once the job owns ``run_dir``); a no-op when the log is written in place."""
+    if _staged_for(Path(run_dir), require_records=False) is None:
+        return
+    for handler in _staged_logs():
+        staged = Path(handler.baseFilename)
+        dest = Path(run_dir) / staged.name[len(Path(staging_dir()).name) + 1:]
+        handler.acquire()
+        try:
+            handler.flush()
+            with open(dest, "ab") as out:
+                out.write(staged.read_bytes() if staged.is_file() else b"")
+            old, handler.baseFilename = handler.stream, str(dest.absolute())
+            handler.stream = open(dest, "a", encoding=handler.encoding or "utf-8")  # noqa: SIM115 (the handler's)
+            if old is not None:
+                old.close()
+            staged.unlink(missing_ok=True)
+        finally:
+            handler.release()
+
+
 def discard_hydra_records() -> None:
-    """Drop this process's staged Hydra records (a job that ended before owning its run folder)."""
+    """Drop this process's staged Hydra records and job log (a job that ended before owning its run folder)."""
     shutil.rmtree(staging_dir(), ignore_errors=True)
+    for handler in _staged_logs():
+        Path(handler.baseFilename).unlink(missing_ok=True)
 
 
 def _mode(path: Path) -> str:

@@ -47,7 +47,7 @@ from drafters.model import DrafterConfig, target_fingerprint
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
-from experiments.pipeline.run_folder import commit_hydra_records, discard_hydra_records
+from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
 
 
@@ -257,7 +257,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     _, _, module, datamodule = build(cfg)
     datamodule.setup("fit")  # fails early on an empty or missing dataset
     attach_hint_store(module.drafter, datamodule.train_set)
-    if _rank_zero():  # checked and built: this job's records replace the run's
+    commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
+    if _rank_zero():
         commit_hydra_records(run_dir)
         locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
