@@ -187,6 +187,8 @@ def test_an_injected_fault_before_the_job_owns_its_records_changes_nothing(env, 
     assert snapshot(run_dir) == before
     run_main(train, [*env["base"], "name=owner", "train.max_steps=3", "train.checkpoint_every=3"])
     assert "train.max_steps=3" in (run_dir / ".hydra" / "overrides.yaml").read_text()  # the owner's, now
+    log = (run_dir / "train.log").read_bytes()  # its log appended to the run's
+    assert log.startswith(before["train.log"]) and log.count(b"Seed set") == before["train.log"].count(b"Seed set") + 1
 
 
 def test_an_evaluation_refused_for_the_lock_or_its_settings_changes_nothing(env):
