@@ -387,8 +387,9 @@ def _run_evaluation(cfg: DictConfig) -> dict:
     results_path = Path(cfg.results_path)
     if results_path.is_file():
         _resume(doc, results_path, bool(cfg.get("redo_if_changed", False)))
-    commit_hydra_records(results_path.parent)  # checked: this job's .hydra/ replaces the folder's, its log joins
-    commit_job_log(results_path.parent)
+    run_dir = Path(OmegaConf.select(cfg, "paths.run_dir", default=None) or results_path.parent)
+    commit_hydra_records(run_dir)  # checked: this job's .hydra/ replaces the folder's, its log joins
+    commit_job_log(run_dir)
     logger = hydra.utils.instantiate(cfg.logger)
     for suite, entries in doc["results"].items():  # a restarted CSV logger starts a fresh file: log them again
         for key, entry in entries.items():
