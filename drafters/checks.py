@@ -198,7 +198,7 @@ def check_target_weights(fingerprint: Mapping[str, Any], target: nn.Module, sour
         return
     shapes = ", ".join(f"{k}={fingerprint.get(k)}" for k in ("model_type", "vocab_size", "hidden_size",
                                                              "num_hidden_layers"))
-    what = (f"drafter {source} was trained for another target: it records target weights {WEIGHTS_KEY} "
+    what = (f"drafter {source} was trained for another target: it records its target's {WEIGHTS_KEY} "
             f"{recorded}, target {_target_name(target)} has {ours} (same shapes: {shapes})")
     if allow_other_target:
         warnings.warn(f"{what}; used anyway ({OVERRIDE})", stacklevel=3)
