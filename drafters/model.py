@@ -45,6 +45,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafters.attention import block_mask_subset, build_block_attention_mask, own_block_mask
+from drafters.checks import (
+    WEIGHTS_KEY,
+    check_dflash_fields,
+    check_fields,
+    check_target_weights,
+    target_weights_sha1,
+)
 from drafters.config import (
     FINGERPRINT_KEYS,
     DrafterConfig,
@@ -146,6 +153,7 @@ class BlockDiffusionDrafter(nn.Module):
         mask_token_id: int | None = None,
         init_from: str | Path | None = None,
         init_layers_from_target: bool = False,
+        allow_other_target: bool = False,
         gradient_checkpointing: bool = False,
         **overrides: Any,
     ) -> BlockDiffusionDrafter:
@@ -159,16 +167,20 @@ class BlockDiffusionDrafter(nn.Module):
         ``init_layers_from_target``: start the drafter's layers as copies of the target's layers
         (:func:`copy_target_layers`) instead of random weights: its first layers, or with
         ``layerwise_context`` the layers whose inputs the drafter's layers read.
+        ``allow_other_target``: with ``init_from``, accept a checkpoint trained for a target with other weights
+        (:func:`drafters.checks.check_target_weights`).
         """
         if init_from is not None:
             return _from_checkpoint(cls, target, init_from, block_size=block_size, num_layers=num_layers,
                                     target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                    allow_other_target=allow_other_target,
                                     **overrides).set_gradient_checkpointing(gradient_checkpointing)
         tcfg = getattr(target, "config", None)
         if tcfg is None:
             raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
         sizes = target_sizes(tcfg)
         fingerprint = target_fingerprint(tcfg)
+        fingerprint[WEIGHTS_KEY] = target_weights_sha1(target)  # which weights it is trained for (drafters/checks.py)
         if target_layer_ids is None and overrides.get("layerwise_context"):
             target_layer_ids = tuple(range(num_layers))  # layer i reads the input of the target's layer i
         elif target_layer_ids is None:
@@ -281,8 +293,10 @@ class BlockDiffusionDrafter(nn.Module):
             self.hint_store.save(directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None) -> BlockDiffusionDrafter:
-        """Load a saved drafter; with ``target``, attach it (refused if its fingerprint differs).
+    def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None,
+                        allow_other_target: bool = False) -> BlockDiffusionDrafter:
+        """Load a saved drafter; with ``target``, attach it (refused if its fingerprint differs, or its weights
+        are not those the drafter was trained for unless ``allow_other_target``: :func:`check_target_weights`).
 
         ``directory`` holds either blockdraft's own format (:meth:`save_pretrained`) or a DFlash
         serving checkpoint (``config.json`` with an ``architectures`` list, DESIGN.md §5b), which is
@@ -302,7 +316,11 @@ class BlockDiffusionDrafter(nn.Module):
         if "architectures" in raw or "dflash_config" in raw:  # a HF-style config: the DFlash format
             from drafters.dflash import load_dflash
 
-            return load_dflash(directory, target, drafter_class=cls).eval()
+            check_dflash_fields(raw, directory / CONFIG_NAME)
+            drafter = load_dflash(directory, target, drafter_class=cls).eval()
+            check_target_weights(drafter.config.target_fingerprint, target, directory, allow_other_target)
+            return drafter
+        check_fields(DrafterConfig, raw, directory / CONFIG_NAME)  # a wrongly typed field is named
         config = DrafterConfig.from_dict(raw)
         drafter = cls(config)
         drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
@@ -310,6 +328,7 @@ class BlockDiffusionDrafter(nn.Module):
             drafter.hint_store = HintStore.load(directory)
         if target is not None:
             drafter.attach_target(target)
+            check_target_weights(config.target_fingerprint, target, directory, allow_other_target)
         return drafter.eval()
 
     # ---- the core forward (shared by training and inference) -------------------------------------
@@ -906,7 +925,7 @@ class BlockDiffusionDrafter(nn.Module):
 
 def _from_checkpoint(cls, target: nn.Module, path: str | Path, *, block_size: int | None, num_layers: int | None,
                      target_layer_ids: Sequence[int] | None, mask_token_id: int | None,
-                     **overrides: Any) -> BlockDiffusionDrafter:
+                     allow_other_target: bool = False, **overrides: Any) -> BlockDiffusionDrafter:
     """``from_target(..., init_from=path)``: the saved drafter at ``path`` attached to ``target``.
 
     The checkpoint fixes the architecture. ``num_layers`` is the fresh-initialisation size, so a
@@ -914,8 +933,9 @@ def _from_checkpoint(cls, target: nn.Module, path: str | Path, *, block_size: in
     that is not None (``block_size``, ``target_layer_ids``, ``mask_token_id``, the overrides) must
     equal the checkpoint's value, else the call is refused naming the field.
     """
-    drafter = cls.from_pretrained(path, target=target)
+    drafter = cls.from_pretrained(path, target=target, allow_other_target=allow_other_target)
     cfg = drafter.config
+    cfg.target_fingerprint[WEIGHTS_KEY] = target_weights_sha1(target)  # trained from here on for this target
     allowed = {f.name for f in dataclasses.fields(DrafterConfig)} - {"target_fingerprint"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import conf
+from drafters.checks import TargetMismatchError
 from drafters.data import load_regenerated
 from drafters.hints import HintStore
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
@@ -66,7 +67,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
                   hint_data_dir: str | None = None, share_target_cache: bool = True,
-                  own_draft_tokens: int | None = None, min_drafting_rows: int | None = None) -> EvalDrafter:
+                  own_draft_tokens: int | None = None, min_drafting_rows: int | None = None,
+                  allow_other_target: bool = False) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
@@ -87,10 +89,11 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     exact; None = all K). ``min_drafting_rows``: with ``follow_hint_after=0``, run the drafter's layers only in
     steps where at least this many rows draft (else every row copies its hint;
     :attr:`BlockDiffusionDrafter.min_drafting_rows`; exact; None = whenever one does).
+    ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
     """
     if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
         raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
-    directory, drafter = _load_block_drafter(target, path)
+    directory, drafter = _load_block_drafter(target, path, allow_other_target)
     _check_block_settings(drafter, path, follow_hint_after, follow_hint_min_ngram, max_draft_tokens, own_draft_tokens,
                           min_drafting_rows)
     if refine_passes is not None:
@@ -106,7 +109,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
                 "max_draft_tokens": max_draft_tokens, "own_draft_tokens": own_draft_tokens, "hint_data_dir": hint_data_dir,
-                "min_drafting_rows": min_drafting_rows,
+                "min_drafting_rows": min_drafting_rows, "allow_other_target": True if allow_other_target else None,
                 "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(drafter.hint_store.rows) if drafter.hint_store is not None else None}
     config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
@@ -145,13 +148,13 @@ def _check_block_settings(drafter, path: str, follow_hint_after, follow_hint_min
                          f"drafter.follow_hint_after=0 (got {follow_hint_after}), or null")
 
 
-def _load_block_drafter(target, path: str) -> tuple[Path, BlockDiffusionDrafter]:
+def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> tuple[Path, BlockDiffusionDrafter]:
     """``(directory, drafter)``: the saved drafter at ``path`` attached to ``target``, on its device and dtype."""
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
-        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
-    except DamagedFileError:
-        raise  # names the damaged file: not a mismatch with the target
+        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target, allow_other_target=allow_other_target)
+    except (DamagedFileError, TargetMismatchError):
+        raise  # names the damaged file, or both targets' signatures
     except ValueError as e:
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())

@@ -48,6 +48,7 @@ from drafters.vocab import coverage, frequent_tokens
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
+from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
 
 
@@ -133,7 +134,8 @@ RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "sche
                "train.gradient_clip_val", "train.accumulate_grad_batches")
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
                "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
-               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing")
+               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
+               "drafter.allow_other_target")
 FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
@@ -192,8 +194,11 @@ def train(cfg: DictConfig) -> dict:
     check_train_numbers(cfg)
     if not _rank_zero():  # DDP workers: rank 0 owns the run dir
         return _train(cfg, run_dir)
-    with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
-        return _train(cfg, run_dir)
+    try:
+        with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
+            return _train(cfg, run_dir)
+    finally:
+        discard_hydra_records()  # refused before owning the run dir: its .hydra/ stays the owner's
 
 
 def _rank_zero() -> bool:
@@ -269,7 +274,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     datamodule.setup("fit")  # fails early on an empty or missing dataset
     attach_hint_store(module.drafter, datamodule.train_set)
     set_train_vocab(module, datamodule, cfg)
+    commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
     if _rank_zero():
+        commit_hydra_records(run_dir)
         locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
