@@ -14,10 +14,12 @@ import inspect
 
 import torch
 
-#: Vocabulary rows per matrix product of :func:`linear_logits` on CPU. With 4-16 hidden states and a
-#: 49,152 x 576 head, one product over the whole vocabulary cost 1.9-2.9x the chunked one on this
-#: project's CPU (``experiments/results/bench/step_parts_smollm2.json``, ``head``).
+#: Vocabulary rows per matrix product of :func:`linear_logits` on CPU, and the numbers of hidden states it
+#: chunks for. With 4-15 states and SmolLM2's 49,152 x 576 head, one product over the whole vocabulary cost
+#: 1.2-2.3x the chunked one on this project's CPU; with 1-3 or 16 and more, the chunks cost as much or up to
+#: 1.3x more (``experiments/results/bench/step_parts_smollm2.json``, ``head``).
 HEAD_CHUNK = 256
+CHUNKED_ROWS = range(4, 16)
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -91,16 +93,18 @@ def cache_argument(model: torch.nn.Module) -> str:
 def linear_logits(weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:  # (V, H), (N, H) -> (N, V)
     """``states @ weight.T``: the logits of an LM head without bias, e.g. ``head.weight``.
 
-    On CPU, from 4 states on, in chunks of :data:`HEAD_CHUNK` vocabulary rows written into one output:
-    every logit is the same dot product as in one product over the whole vocabulary (bit-identical on
-    the CPUs measured), but a chunk of the weight stays in cache while the states stream past it. With
-    1-3 states, on another device, or where autograd must record it, one product.
+    On CPU, for :data:`CHUNKED_ROWS` states, in chunks of :data:`HEAD_CHUNK` vocabulary rows written into one
+    output:
+    every logit is the same dot product as in one product over the whole vocabulary (bit-identical on this
+    project's CPU), but a chunk of the weight stays in cache while the states stream past it. With
+    other numbers of states, on another device, or where autograd must record it, one product.
     """
     if weight.ndim != 2 or states.ndim != 2 or states.shape[1] != weight.shape[1]:
         raise ValueError(f"expected a head weight (V, H) and states (N, H), got {tuple(weight.shape)} and "
                          f"{tuple(states.shape)}")
     needs_grad = torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad)  # out= has no autograd
-    if needs_grad or states.device.type != "cpu" or states.shape[0] < 4 or weight.shape[0] <= HEAD_CHUNK:
+    chunked = states.shape[0] in CHUNKED_ROWS and weight.shape[0] > HEAD_CHUNK and states.device.type == "cpu"
+    if needs_grad or not chunked:
         return torch.nn.functional.linear(states, weight)
     out = states.new_empty(states.shape[0], weight.shape[0])
     for start in range(0, weight.shape[0], HEAD_CHUNK):
