@@ -41,7 +41,7 @@ import torch
 import verify.generate
 from experiments.bench import drafter_factory, write_record
 from experiments.bench.step_profile import Variant, profile_steps
-from experiments.pipeline.paths import portable_path
+from experiments.pipeline.paths import cache_path, portable_path
 from verify.hf import linear_logits, new_growing_kv_cache
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ def build(args):
         from experiments.data.target import load_target
 
         target, _ = load_target(args.target, "float32", "cpu")
-        described = portable_path(args.target)
+        described = portable_path(cache_path(args.target))  # no machine paths in the record
     else:
         target = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval()
         described = {"random_llama": SMOLLM2_SHAPE}
