@@ -226,17 +226,23 @@ def step_variants(args, target, drafter, ids, baseline) -> dict[str, Variant]:
     return variants
 
 
-def ratios(steps: dict, alone: dict, head: dict, accept: int, unit: str = "total_cpu_ms") -> dict:
-    """Per version: the speculative step over the target-only step; the step over the sum of its parts alone."""
+def ratios(steps: dict, alone: dict, head: dict, accept: int, width: int, unit: str = "total_cpu_ms") -> dict:
+    """Per version: the speculative step over the target-only step; the step over the sum of its parts alone (the
+    draft, the block's forward, the verifier's head over ``accept + 2`` columns; ``before/``: the draft with its head
+    over the ``width`` drafted slots as one product, i.e. the draft alone plus that product's extra cost)."""
     out = {}
+    block = next(v["cpu_ms"] for k, v in alone.items() if k.endswith("columns without logits"))
+    chunk = min(accept + 2, width + 1)
     for name, summary in steps.items():
         if name.rpartition("/")[2].startswith("target"):
             continue
         prefix = name.rpartition("/")[0]
         base = steps[f"{prefix}/target" if prefix else "target"][unit]
-        chunk = head[f"linear_logits {min(accept + 2, 16)}" if not prefix else f"one_product {min(accept + 2, 16)}"]
-        block = next(v for k, v in alone.items() if k.endswith("columns without logits"))
-        parts = alone["draft"]["cpu_ms"] + block["cpu_ms"] + chunk["cpu_ms"]
+        kind = "one_product" if prefix else "linear_logits"
+        draft = alone["draft"]["cpu_ms"]
+        if prefix:
+            draft += head[f"one_product {width}"]["cpu_ms"] - head[f"linear_logits {width}"]["cpu_ms"]
+        parts = draft + block + head[f"{kind} {chunk}"]["cpu_ms"]
         out[name] = {"spec_over_target_step": summary[unit] / base, "step_over_parts_alone": summary[unit] / parts,
                      "loop_overhead_cpu_ms": summary[unit] - parts, "parts_alone_cpu_ms": parts}
     return out
@@ -250,14 +256,15 @@ def main(argv=None) -> dict:
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = torch.randint(3, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.seed))
     variants = step_variants(args, target, drafter, ids, baseline)
-    head = head_costs(target)
+    head = head_costs(target, sorted({1, 2, 3, 4, 5, 8, 9, 15, 16, 32, args.block_size - 1,
+                                      min(args.accept + 2, args.block_size)}))
     alone = alone_costs(target, drafter, ids, args.block_size)
     steps = profile_steps(target, variants, {"batch_1": [(ids, torch.ones_like(ids))]}, args.new_tokens,
                           args.rounds, args.skip)["batch_1"]
     words = [described if a == args.target else a for a in (argv if argv is not None else sys.argv[1:])]
     doc = {"command": " ".join(["python -m experiments.bench.step_parts", *map(str, words)]),
            "config": {k: v for k, v in vars(args).items() if k != "target"}, "target": described,
-           "head": head, "alone": alone, "steps": steps, "ratios": ratios(steps, alone, head, args.accept)}
+           "head": head, "alone": alone, "steps": steps, "ratios": ratios(steps, alone, head, args.accept, args.block_size - 1)}
     doc = write_record(doc, args.out)
     for name, summary in steps.items():
         print(f"[step_parts] {name}: " + ", ".join(f"{k[:-7]} {v:.1f}" for k, v in summary.items()
