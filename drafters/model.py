@@ -65,6 +65,7 @@ from drafters.config import (
 from drafters.hints import HintStore, compact_rows, lookup_hints
 from drafters.layers import DrafterLayer, RMSNorm, copy_target_layers, draft_layer, rope_cos_sin
 from drafters.shared_cache import same_keys_values, shareable_layers
+from verify import hf as verify_hf
 from verify.rejection import sample_tokens, warp_probs
 
 CONFIG_NAME = "config.json"
@@ -769,7 +770,9 @@ class BlockDiffusionDrafter(nn.Module):
     def _head(self, states: torch.Tensor) -> torch.Tensor:  # (B, n, H) -> (B, n, V) float32
         head = self.target.get_output_embeddings()
         rows, n, width = states.shape
-        return head(states.reshape(rows * n, width).to(head.weight.dtype)).view(rows, n, head.out_features).float()
+        flat = states.reshape(rows * n, width).to(head.weight.dtype)
+        plain = type(head) is nn.Linear and head.bias is None  # verify.hf.linear_logits: the fast product on CPU
+        return (verify_hf.linear_logits(head.weight, flat) if plain else head(flat)).view(rows, n, -1).float()
 
     def confident_width(self, logits: torch.Tensor) -> int:
         """Slots (from slot 1) that every row's drafts need: the longest leading run over rows of slots
