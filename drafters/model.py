@@ -373,7 +373,7 @@ class BlockDiffusionDrafter(nn.Module):
             hints, ngram = torch.where(from_store.unsqueeze(-1), stored, hints), torch.where(from_store, n, ngram)
         return hints.masked_fill(ngram.unsqueeze(-1) == 0, cfg.mask_token_id), ngram, from_store
 
-    def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None) -> torch.Tensor:
+    def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None, vocab_ids=None) -> torch.Tensor:
         """Logits (Bt, A, K, V) of blocks ``[anchor, slot_ids]`` (default ``[anchor, MASK x K]``).
 
         anchor_ids, anchor_positions: (Bt, A) long; kv: from :meth:`context_kv` over S columns;
@@ -396,6 +396,8 @@ class BlockDiffusionDrafter(nn.Module):
         # (Bt, A, K, H): the drafted slots, made contiguous so the head runs as one plain matmul
         x = self.norm(x).view(bt, num_blocks, bs, -1)[:, :, self.drafted_slots].contiguous()
         head = target.get_output_embeddings()
+        if vocab_ids is not None:  # a candidate vocabulary (drafters/vocab.py): (Bt, A, K, V')
+            return torch.nn.functional.linear(x.to(head.weight.dtype), head.weight[vocab_ids]).float()
         return head(x.to(head.weight.dtype)).float()  # (Bt, A, K, V)
 
     # ---- training ---------------------------------------------------------------------------------
@@ -419,6 +421,7 @@ class BlockDiffusionDrafter(nn.Module):
         anchor_mask: torch.Tensor | None = None,  # (Bt, A) bool, False = padding anchor
         context_mask: torch.Tensor | None = None,  # (Bt, S) bool/long, False = padding column
         prompt_len: torch.Tensor | None = None,  # (Bt,) long; with store_hints in training mode, required
+        vocab_ids: torch.Tensor | None = None,  # (V',) long: logits over these ids only (drafters/vocab.py)
     ) -> torch.Tensor:
         """Teacher-forced logits (Bt, A, K, V); block a's slot k predicts ``input_ids[:, anchors[a] + k]``.
 
@@ -448,8 +451,12 @@ class BlockDiffusionDrafter(nn.Module):
                 raise ValueError("store_hints in training needs prompt_len (a row must not read its own answer "
                                  "from the hint store) and a hint_store")
             folds = self.hint_store.folds(input_ids, prompt_len)
-        return self.refined_block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask,
-                                         self.slot_ids(input_ids, real, cols, folds))
+        slots = self.slot_ids(input_ids, real, cols, folds)
+        if vocab_ids is not None:
+            if self.config.refine_passes:
+                raise ValueError("a candidate vocabulary (vocab_ids) does not combine with refine_passes")
+            return self.block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask, slots, vocab_ids)
+        return self.refined_block_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask, slots)
 
     def refined_block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids) -> torch.Tensor:
         """:meth:`block_logits` (Bt, A, K, V) under ``config.refine_passes`` = r (0: one pass on ``slot_ids``).

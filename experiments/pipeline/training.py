@@ -44,6 +44,7 @@ from drafters.features import ensure_features
 from drafters.features import features_dir as features_folder
 from drafters.hints import HintStore
 from drafters.model import DrafterConfig, target_fingerprint
+from drafters.vocab import coverage, frequent_tokens
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
@@ -80,6 +81,21 @@ def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
     if not drafter.config.store_hints:
         return
     drafter.hint_store = HintStore.from_data(train_set.data, drafter.config.store_num_folds, train_set.indices)
+
+
+def set_train_vocab(module, datamodule, cfg: DictConfig) -> None:
+    """With ``module.train_vocab_size``: the candidate vocabulary of the training loss, the most frequent
+    response tokens of the training rows plus the target's EOS ids (:mod:`drafters.vocab`)."""
+    size = cfg.module.get("train_vocab_size")
+    if not size:
+        return
+    rows = datamodule.train_set
+    responses = [rows.data[i]["input_ids"][rows.data[i]["prompt_len"]:] for i in rows.indices]
+    eos = [i for i in [getattr(module.target.config, "eos_token_id", None)] if isinstance(i, int)]
+    vocab_ids = frequent_tokens(responses, size, module.drafter.vocab_size, always=eos)
+    module.set_train_vocab(vocab_ids)
+    print(f"[train] candidate vocabulary: {len(vocab_ids)} ids cover "
+          f"{coverage(responses, vocab_ids, module.drafter.vocab_size):.4f} of the training response tokens", flush=True)
 
 
 def build(cfg: DictConfig):
@@ -252,6 +268,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     _, _, module, datamodule = build(cfg)
     datamodule.setup("fit")  # fails early on an empty or missing dataset
     attach_hint_store(module.drafter, datamodule.train_set)
+    set_train_vocab(module, datamodule, cfg)
     if _rank_zero():
         locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
