@@ -75,9 +75,9 @@ def _wait(proc, until, deadline: float, log: Path, step: str, what: str) -> None
     while not until():
         if proc.poll() is not None:
             raise ServingError(step, f"the vLLM worker exited with code {proc.returncode} {what}; its log "
-                                     f"({log}) ends:\n{_tail(log)}")
+                                     f"ends:\n{_tail(log)}")
         if time.monotonic() > deadline:
-            raise ServingError(step, f"timed out {what}; the log ({log}) ends:\n{_tail(log)}")
+            raise ServingError(step, f"timed out {what}; the worker's log ends:\n{_tail(log)}")
         time.sleep(0.5)
 
 
