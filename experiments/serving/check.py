@@ -32,6 +32,7 @@ from experiments.data.prompts import encode_prompt
 from experiments.data.suites import load_suites
 from experiments.data.target import eos_token_ids, load_target
 from experiments.pipeline.evaluation import prompt_budget
+from experiments.pipeline.paths import cache_path, runs_path
 from experiments.serving.compare import sequence_acceptance
 from experiments.serving.engine import ServingError, run_engine, vllm_python
 from experiments.serving.report import plot, tables
@@ -95,7 +96,7 @@ def run_engines(cfg: DictConfig, drafter_dir: Path, num_drafts: int, suites, sto
               f"{len(cfg.concurrency)} concurrency settings", flush=True)
         results[name] = run_engine(job, env_dir=cfg.vllm.env, start_timeout=float(cfg.vllm.start_timeout),
                                    run_timeout=float(cfg.vllm.run_timeout), threads=cfg.vllm.threads,
-                                   kv_cache_gb=float(cfg.vllm.kv_cache_gb))
+                                   kv_cache_gb=int(cfg.vllm.kv_cache_gb))
         if name != "target":
             _check_metrics(name, results[name]["phases"])
     return results
@@ -134,6 +135,25 @@ def speeds(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     return {n: {c: tok / wall for c, (tok, wall) in row.items()} for n, row in table.items()}
 
 
+def _portable(path) -> str | None:
+    """A path as a committed record names it: repository-, $BLOCKDRAFT_RUNS- or $BLOCKDRAFT_CACHE-relative, else
+    its last three parts (no machine's folders)."""
+    if path is None:
+        return None
+    named = cache_path(runs_path(str(path)))
+    return named if not Path(named).is_absolute() else ".../" + "/".join(Path(named).parts[-3:])
+
+
+def settings(cfg: DictConfig) -> dict:
+    """What the record keeps of the settings: no machine paths."""
+    kept = OmegaConf.to_container(cfg, resolve=True)
+    kept.pop("out_dir", None)
+    kept["drafter"]["path"] = _portable(cfg.drafter.path)
+    kept["target"]["path"] = _portable(cfg.target.path)
+    kept["vllm"]["env"] = _portable(cfg.vllm.env)
+    return kept
+
+
 def _identical_outputs(results: dict[str, dict]) -> bool:
     outputs = [[p["outputs"] for p in r["phases"]] for r in results.values()]
     return all(o == outputs[0] for o in outputs)
@@ -159,7 +179,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
     # block_size - 1 reproduces the blocks the drafter was trained on and blockdraft replays.
     num_drafts = drafter.num_draft_tokens
     results = run_engines(cfg, drafter_dir, num_drafts, suites, stop_ids)
-    doc = {"config": OmegaConf.to_container(cfg, resolve=True), "vllm_version": next(iter(results.values()))["vllm_version"],
+    doc = {"settings": settings(cfg), "vllm_version": next(iter(results.values()))["vllm_version"],
            "num_prompts": {s: len(p) for s, p in suites.items()}, "speed_tokens_per_s": speeds(results),
            "outputs_identical": _identical_outputs(results), "acceptance": {},
            "engine_start_s": {n: r["startup_s"] for n, r in results.items()}}

@@ -81,9 +81,9 @@ def _wait(proc, until, deadline: float, log: Path, step: str, what: str) -> None
         time.sleep(0.5)
 
 
-def engine_environment(threads: int | None, kv_cache_gb: float) -> dict[str, str]:
+def engine_environment(threads: int | None, kv_cache_gb: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM reads an int (GiB)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("HF_HUB_OFFLINE", "1")
     # The engine core in the worker's own process: vLLM is imported once, not in three processes.
@@ -94,7 +94,7 @@ def engine_environment(threads: int | None, kv_cache_gb: float) -> dict[str, str
 
 
 def run_engine(job: dict, *, env_dir: str | os.PathLike | None = None, start_timeout: float = 300,
-               run_timeout: float = 1800, threads: int | None = None, kv_cache_gb: float = 2,
+               run_timeout: float = 1800, threads: int | None = None, kv_cache_gb: int = 2,
                workdir: str | os.PathLike | None = None) -> dict:
     """Run ``job`` (see :mod:`experiments.serving.vllm_worker`) in the vLLM environment; its result.
 
