@@ -96,7 +96,7 @@ def run_engines(cfg: DictConfig, drafter_dir: Path, num_drafts: int, suites, sto
               f"{len(cfg.concurrency)} concurrency settings", flush=True)
         results[name] = run_engine(job, env_dir=cfg.vllm.env, start_timeout=float(cfg.vllm.start_timeout),
                                    run_timeout=float(cfg.vllm.run_timeout), threads=cfg.vllm.threads,
-                                   kv_cache_gb=int(cfg.vllm.kv_cache_gb))
+                                   kv_cache_gb=int(cfg.vllm.kv_cache_gb), threads_bind=cfg.vllm.threads_bind)
         if name != "target":
             _check_metrics(name, results[name]["phases"])
     return results

@@ -81,8 +81,12 @@ def _wait(proc, until, deadline: float, log: Path, step: str, what: str) -> None
         time.sleep(0.5)
 
 
-def engine_environment(threads: int | None, kv_cache_gb: int) -> dict[str, str]:
+def engine_environment(threads: int | None, kv_cache_gb: int, threads_bind: str | None = None) -> dict[str, str]:
+    """The worker's environment. ``threads_bind``: VLLM_CPU_OMP_THREADS_BIND (vLLM's default ``auto`` pins its
+    threads to cores; ``nobind`` lets them move, which a machine shared with other jobs needs)."""
     env = dict(os.environ)
+    if threads_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM reads an int (GiB)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,7 +99,7 @@ def engine_environment(threads: int | None, kv_cache_gb: int) -> dict[str, str]:
 
 def run_engine(job: dict, *, env_dir: str | os.PathLike | None = None, start_timeout: float = 300,
                run_timeout: float = 1800, threads: int | None = None, kv_cache_gb: int = 2,
-               workdir: str | os.PathLike | None = None) -> dict:
+               threads_bind: str | None = None, workdir: str | os.PathLike | None = None) -> dict:
     """Run ``job`` (see :mod:`experiments.serving.vllm_worker`) in the vLLM environment; its result.
 
     ``start_timeout``: seconds for the engine to load the model; ``run_timeout``: seconds for every phase
@@ -110,7 +114,7 @@ def run_engine(job: dict, *, env_dir: str | os.PathLike | None = None, start_tim
         with log.open("w") as log_file:
             proc = subprocess.Popen([str(python), str(WORKER), str(tmp / "job.json")], stdout=log_file,
                                     stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
-                                    env=engine_environment(threads, kv_cache_gb))
+                                    env=engine_environment(threads, kv_cache_gb, threads_bind))
         try:
             _wait(proc, (tmp / "ready").is_file, time.monotonic() + start_timeout, log, "engine start",
                   f"before the engine started (limit {start_timeout:.0f} s, model {job['model']})")
