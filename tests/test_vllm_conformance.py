@@ -85,7 +85,7 @@ def served(tmp_path_factory):
            "speculative_config": {"method": "dflash", "model": str(root / "drafter"),
                                   "num_speculative_tokens": BLOCK - 1},
            "phases": [{"name": "batch1", "prompts": prompts, "max_tokens": NEW, "concurrency": 1, "ignore_eos": True}]}
-    result = run_engine(job, start_timeout=600, run_timeout=300, threads=1, kv_cache_gb=1)
+    result = run_engine(job, start_timeout=600, run_timeout=600, threads=1, kv_cache_gb=1, threads_bind="nobind")
     return {"prompts": prompts, "longer": longer, "target": target, "drafter": drafter,
             "phase": result["phases"][0]}
 
