@@ -221,6 +221,8 @@ def test_the_main_jobs_drafters_are_core_dflash_drafters():
                                             "refine_passes", "init_from"))
     assert trained.data.backend._target_.endswith("RecordedBackend") and trained.module.train_vocab_size == 8192
     assert trained.target.name == "smollm2"
+    data = _compose("regenerate", [f"experiment={main.experiment}"])  # the main job's data stage
+    assert data.data.generation == trained.data.generation and data.batch_size == trained.regenerate.batch_size
 
 
 @pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "hinted_store",

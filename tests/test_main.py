@@ -13,6 +13,8 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
     def fake_stage(name, module, overrides, log):
         calls.append((name, module, overrides))
         log["stages"].append({"stage": name, "seconds": 0.0})
+        if module == "experiments.bench.choose_k":
+            (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}}')
         if module == "experiments.report":
             (tmp_path / "report").mkdir()
             (tmp_path / "report" / "report.md").write_text("table\n")
@@ -29,13 +31,17 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
     calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
     names = [c[0] for c in calls]
     drafters = ["uniform", "l2r_all", "prompt_lookup", "ar_assistant"]
-    assert names == ["data", "train uniform", "train l2r_all", "train ar_assistant",
+    assert names == ["data", "train uniform", "train l2r_all", "train ar_assistant", "choose K",
                      *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in drafters), "report"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
     assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2"
     assert by_name["train ar_assistant"][:2] == ["--config-name", "train_assistant_smollm2"]
     assert f"drafter.path={tmp_path}/assistant/export" in by_name["eval ar_assistant"]
+    assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
+    assert by_name["choose K"][-2:] == ["--assistant", f"{tmp_path}/assistant/export"]
+    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
+    assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
     for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
         for d in drafters:
             args = by_name[f"{kind} {d}"]

@@ -99,6 +99,25 @@ def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict)
     return drafters
 
 
+def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str, int]:
+    """With ``choose_k``: each of prompt_lookup and ar_assistant's best K on the held-out training answers
+    (``experiments.bench.choose_k``, ``<run dir>/choose_k.json``); ``{}`` without."""
+    wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
+    if not cfg.get("choose_k") or not wanted:
+        return {}
+    if fill["data_dir"] is None:
+        raise ValueError(f"choose_k needs {_MADE_BY['data_dir']}")
+    out = run_dir / "choose_k.json"
+    args = ["--data-dir", fill["data_dir"], "--target", str(cfg.choose_k.target_path), "--out", str(out),
+            "--ks", *map(str, cfg.choose_k.ks)]
+    if "ar_assistant" in wanted and fill["assistant_dir"] is not None:
+        args += ["--assistant", fill["assistant_dir"]]
+    if not out.is_file():  # a resumed job keeps the K it chose
+        stage("choose K", "experiments.bench.choose_k", args, log)
+    chosen = json.loads(out.read_text())
+    return {b: int(chosen[b]["chosen_k"]) for b in wanted if b in chosen}
+
+
 def run_main_job(cfg: DictConfig) -> dict:
     """Data, training, the assistant, τ and speed evaluations of every drafter, the report (``conf/main.yaml``);
     returns the stage log written to ``<run dir>/main_summary.json``."""
@@ -109,9 +128,11 @@ def run_main_job(cfg: DictConfig) -> dict:
     drafters = _train_stages(cfg, run_dir, science, log)
     fill = {"data_dir": trained_data_dir(run_dir, cfg.losses),
             "assistant_dir": str(run_dir / "assistant" / "export") if cfg.get("assistant") else None}
+    chosen = _choose_k(cfg, run_dir, fill, log)
     for baseline in cfg.baselines:
         extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
-        drafters[baseline] = [f"drafter={baseline}", *extra]
+        k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
+        drafters[baseline] = [f"drafter={baseline}", *extra, *k]
     evaluate = [f"target={cfg.target}", *cfg.common_overrides]
     kinds = {"eval": list(cfg.evaluate_overrides)}
     if cfg.get("speed_overrides") is not None:
