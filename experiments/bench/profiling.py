@@ -1,4 +1,4 @@
-"""Where the time of one speculative step goes: the library behind ``python -m experiments.bench.step``.
+"""Where the time of one speculative step goes: the step clock behind ``experiments.bench.step`` and ``suite_steps``.
 
 :func:`verify.generate._decode` takes an optional *clock* whose ``start()`` it calls when a decode
 begins, ``lap(name)`` at the end of each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,
@@ -8,10 +8,8 @@ one step partition its wall time. :class:`StepClock` records them (wall and CPU 
 attributed to the lap they fall in: ``lm_head@verify``). Everything here runs the real decoding
 loop: a profiled step is a step of :func:`verify.speculative_generate`.
 
-A *variant* is a version of the decoding code (a module like :mod:`verify.generate`), a drafter
-(None: target-only decoding) and extra ``_decode`` keyword arguments. :func:`load_baseline` loads
-the decoding code and the drafter class of an earlier git revision beside the current ones, so
-that both versions run in one process, interleaved (round by round, so that load from other
+A *variant* is a drafter (None: target-only decoding), a sampling temperature and extra ``_decode``
+keyword arguments; variants run in one process, interleaved (round by round, so that load from other
 processes hits them alike). Costs are medians over the steps of several decodes. The break-even τ
 of a speculative step is its cost over a target-only step of the same version at the same batch
 (every row gains τ tokens per speculative step, 1 per target step).
@@ -20,22 +18,16 @@ of a speculative step is its cost over a target-only step of the same version at
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 import verify.generate
 
-REPO = Path(__file__).resolve().parent.parent
 TARGET_ONLY = "target"
 
 
@@ -123,7 +115,7 @@ def device_sync(device: torch.device) -> Callable[[], None] | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Versions of the code
+# Variants
 
 
 @dataclass
@@ -135,32 +127,6 @@ class Variant:
     generate: ModuleType = verify.generate
     kwargs: dict = field(default_factory=dict)
     temperature: float = 0.0
-
-
-def _import_file(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_baseline(rev: str) -> tuple[ModuleType, ModuleType]:
-    """``(generate, model)``: ``verify/generate.py`` and ``drafters/model.py`` as they were at git
-    revision ``rev``, each using ``verify/rejection.py`` of that revision, importable beside the
-    current ones (modules ``baseline_rejection``, ``baseline_generate``, ``baseline_model``, written
-    to a temporary folder). The other modules they import (``verify.drafter``,
-    ``drafters.attention``, ...) are today's."""
-    folder = Path(tempfile.mkdtemp(prefix=f"blockdraft-{rev}-"))
-    modules = []
-    for name, path in [("rejection", "verify/rejection.py"), ("generate", "verify/generate.py"),
-                       ("model", "drafters/model.py")]:
-        source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
-                                capture_output=True, text=True).stdout
-        source = source.replace("from verify.rejection import", "from baseline_rejection import")
-        (folder / f"baseline_{name}.py").write_text(source)
-        modules.append(_import_file(f"baseline_{name}", folder / f"baseline_{name}.py"))
-    return modules[1], modules[2]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,8 +181,8 @@ def profile_steps(target, variants: dict[str, Variant], batches: dict, max_new_t
 
 
 def target_only_name(name: str) -> str:
-    """The target-only variant of the same version and temperature: ``before/spec_K15_T1`` ->
-    ``before/target_T1``."""
+    """The target-only variant of the same group and temperature: ``spec_K15_T1`` -> ``target_T1``,
+    ``a/spec_K15`` -> ``a/target``."""
     prefix, _, base = name.rpartition("/")
     suffix = "_T" + base.split("_T", 1)[1] if "_T" in base else ""
     return (prefix + "/" if prefix else "") + TARGET_ONLY + suffix
