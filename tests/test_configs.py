@@ -136,6 +136,29 @@ def test_conf_is_installed_as_package_data():
     assert (CONF / "__init__.py").exists()
 
 
+def test_the_wheel_ships_assets_not_results():
+    """Package data is the configs and the shipped models only (no setuptools guess from an old egg-info)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    package_data = text.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    assert '"experiments" = ["assets/**/*"]' in package_data and "results" not in package_data
+    assert re.search(r"^include-package-data = false", text, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("package", ["transformers", "torch"])
+def test_the_installed_versions_lie_in_the_stated_range(package):
+    """pyproject.toml bounds transformers and torch on both sides, and the versions the tests run on lie inside."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (spec,) = re.findall(rf'^    "({package}[^"]*)",$', text, flags=re.MULTILINE)
+    requirement = Requirement(spec)
+    assert {s.operator for s in requirement.specifier} == {">=", "<"}, spec
+    assert Version(Version(version(package)).base_version) in requirement.specifier, (version(package), spec)
+
+
 def _sweep_jobs(experiment: str, arguments: list[str]) -> list[dict[str, str]]:
     """The jobs Hydra's basic sweeper launches for ``experiment`` plus command-line ``arguments``."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
