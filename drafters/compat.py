@@ -37,5 +37,8 @@ def register_output_recording(model: nn.Module) -> None:
     except ImportError:  # other transformers versions: nothing to do
         return
     for module in model.modules():
-        if getattr(module, "_can_record_outputs", None) is not None and not registry.get(module):
-            registry[module] = module._can_record_outputs
+        # keyed on str(class) in every version that has it (5.18: a plain dict; later: a dict subclass that
+        # converts a model key itself), so write and read through dict's own methods with that key
+        key = str(module.__class__)
+        if getattr(module, "_can_record_outputs", None) is not None and not dict.get(registry, key):
+            dict.__setitem__(registry, key, module._can_record_outputs)

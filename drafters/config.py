@@ -53,7 +53,7 @@ class DrafterConfig:
     shifted: bool = False
     # The anchor (block position 0) attends to the context and itself only, not to the block's other slots
     # (they still see it and each other). Shifted, with every target layer copied, the anchor's output is
-    # then the target's own next-token prediction before any training (experiments/results/HISTORY.md, "The deep drafter").
+    # then the target's own next-token prediction before any training (docs/history.md, "The deep drafter").
     causal_anchor: bool = False
     # With causal_anchor and shifted: the anchor (slot 1's position) runs through frozen copies of each layer's
     # query/output projections, post-attention norm and MLP, taken when the drafter is built; the other slots run

@@ -5,7 +5,7 @@ logits only when the loss needs soft labels) or reads the batch's cached feature
 anchors in every response and runs the drafter on all blocks at once (:mod:`drafters.blocks`), and
 applies the loss to the blocks that have labels.
 
-Validation measures, on held-out regenerated sequences (DESIGN.md §4; the sums are in
+Validation measures, on held-out regenerated sequences (docs/method.md §4; the sums are in
 :mod:`drafters.validation`): ``val/loss`` and its components (the training objective on seeded
 random anchors), ``val/tau_greedy`` and ``val/tau_soft`` (the teacher-forced τ of
 :mod:`drafters.tau`) and ``val/acc_slot<k>`` (teacher-forced top-1 accuracy of slot k).

@@ -1,4 +1,4 @@
-"""Teacher-forced τ: greedy verification replayed on held-out sequences, without decoding (DESIGN.md §4).
+"""Teacher-forced τ: greedy verification replayed on held-out sequences, without decoding (docs/method.md §4).
 
 Every response column a is tried as an anchor (:func:`anchor_acceptance`): the drafter drafts K
 tokens from the true context, and the draft is accepted up to its first slot that differs from the

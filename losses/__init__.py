@@ -1,4 +1,4 @@
-"""Acceptance-aligned training losses for block drafters (DESIGN.md §2).
+"""Acceptance-aligned training losses for block drafters (docs/method.md §2).
 
 Pure functions live in :mod:`losses.functional`; :class:`AcceptanceAlignedLoss` composes them and is
 built by Hydra from ``conf/loss/*.yaml``.

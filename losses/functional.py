@@ -1,6 +1,6 @@
 """Acceptance-aligned losses for block drafters: pure functions with documented shapes.
 
-Notation (DESIGN.md §2). A batch holds N blocks of K predicted slots. For block n and slot k the
+Notation (docs/method.md §2). A batch holds N blocks of K predicted slots. For block n and slot k the
 drafter's distribution is q_k = softmax(logits[n, k]), the hard label is y_k = labels[n, k] (the
 target's token) and m_k = mask[n, k] says whether the slot has a label. ℓ_k = −log q_k(y_k).
 Formulas count slots from 1, code from 0.

@@ -1,4 +1,4 @@
-"""AcceptanceAlignedLoss: the composite training loss for block drafters (DESIGN.md §2).
+"""AcceptanceAlignedLoss: the composite training loss for block drafters (docs/method.md §2).
 
     L = L_pos + α_f · L_fe − α_c · R
 

@@ -136,6 +136,29 @@ def test_conf_is_installed_as_package_data():
     assert (CONF / "__init__.py").exists()
 
 
+def test_the_wheel_ships_assets_not_results():
+    """Package data is the configs and the shipped models only (no setuptools guess from an old egg-info)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    package_data = text.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    assert '"experiments" = ["assets/**/*"]' in package_data and "results" not in package_data
+    assert re.search(r"^include-package-data = false", text, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("package", ["transformers", "torch"])
+def test_the_installed_versions_lie_in_the_stated_range(package):
+    """pyproject.toml bounds transformers and torch on both sides, and the versions the tests run on lie inside."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (spec,) = re.findall(rf'^    "({package}[^"]*)",$', text, flags=re.MULTILINE)
+    requirement = Requirement(spec)
+    assert {s.operator for s in requirement.specifier} == {">=", "<"}, spec
+    assert Version(Version(version(package)).base_version) in requirement.specifier, (version(package), spec)
+
+
 def _sweep_jobs(experiment: str, arguments: list[str]) -> list[dict[str, str]]:
     """The jobs Hydra's basic sweeper launches for ``experiment`` plus command-line ``arguments``."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -293,3 +316,34 @@ def test_bench_drafters_are_the_confs():
     torch.testing.assert_close(lw.layers[1].mlp.down_proj.weight, target.model.layers[1].mlp.down_proj.weight)
     dflash = drafter_factory("dflash", ["drafter.num_layers=2"])(target)
     assert (dflash.config.layerwise_context, dflash.config.num_layers) == (False, 2)
+
+
+def _experiment_defaults(name: str) -> list:
+    import yaml
+
+    return yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()).get("defaults", [])
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiments_state_the_science_and_launch_apart(experiment):
+    """An experiment file sets no run mode or callback (conf/launch/ does), and builds on at most one other
+    experiment, which builds on none (a regime, a drafter or a loss it may include)."""
+    import yaml
+
+    doc = yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text())
+    assert not {"mode", "callbacks"} & set(doc.get("hydra", {})), experiment
+    bases = [d for d in _experiment_defaults(experiment) if isinstance(d, str) and d != "_self_"]
+    assert len(bases) <= 1 and all(isinstance(d, dict) or d == "_self_" for b in bases for d in _experiment_defaults(b))
+
+
+def test_launch_run_makes_a_sweep_experiment_one_run():
+    """``experiment=deep_frozen launch=run``: the same training config as the sweep's, run once, without the report
+    (what a caller such as the main job names instead of restating the experiment)."""
+    sweep = _compose("train", ["experiment=deep_frozen"])
+    single = _compose("train", ["experiment=deep_frozen", "launch=run"])
+    assert str(sweep.hydra.mode) == "RunMode.MULTIRUN" and "report" in sweep.hydra.callbacks
+    assert single.hydra.mode in (None, "RUN") or str(single.hydra.mode) == "RunMode.RUN"
+    assert "report" not in (single.hydra.callbacks or {})
+    for key in ("drafter", "evaluate", "train", "optimizer", "data", "suite"):
+        assert OmegaConf.to_container(OmegaConf.select(single, key)) == \
+            OmegaConf.to_container(OmegaConf.select(sweep, key)), key

@@ -431,7 +431,7 @@ def test_suite_steps_bench_times_every_speculative_step(assets, tmp_path):
     """experiments.bench.suite_steps: the evaluation's decoding with a step clock; one clock step per verification
     step plus one prefill per batch, every verification step timed in its draft and target parts."""
     from experiments.bench import suite_steps
-    from experiments.bench.step_profile import StepClock
+    from experiments.bench.profiling import StepClock
     from experiments.data.target import load_target
 
     target, tok = load_target(str(assets / "target"))

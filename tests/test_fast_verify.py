@@ -8,7 +8,7 @@ from conftest import left_padded_prompts, sampled_continuations_pvalue, tiny_tar
 from transformers.cache_utils import DynamicLayer
 
 from drafters import BlockDiffusionDrafter
-from experiments.bench.step_profile import Variant, profile_decode, summarize_steps
+from experiments.bench.profiling import Variant, profile_decode, summarize_steps
 from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy
 from verify.generate import _is_plain_head, _verify_greedy_lazy
 from verify.hf import new_growing_kv_cache

@@ -1,7 +1,7 @@
 """Benchmarks and diagnosis loops (plain argparse scripts, ``python -m experiments.bench.<name>``):
 ``learning`` (the drafter learning diagnosis), ``losses`` (loss forward+backward cost), ``scale`` (costs
 at a real model's shape, random weights), ``step`` (one speculative step vs one target step, with
-:mod:`.step_profile`), ``suite_steps`` (a suite's speculative steps, timed in their parts, and where their
+:mod:`.profiling`), ``suite_steps`` (a suite's speculative steps, timed in their parts, and where their
 accepted drafts come from), ``interleave`` (evaluation settings A/B, in one process; ``interleave_plot``: τ against speedup), ``free_drafts`` (the
 speedup of a drafter's own drafts replayed at no drafting cost), ``draft_cost`` (one draft against the target's
 forwards), ``train`` (training step throughput),

@@ -9,7 +9,7 @@ and ``num_threads=2`` unless given); each ``--variants`` item is one variant's o
 spaces, quoted). The target is loaded once; each variant's drafter is built from its config once; then every round
 evaluates every suite with every variant in turn, target-only decoding included, so that the speedups of the
 variants share the machine's state of the moment. On a 2-core machine one evaluation's speedup moves by ±15%
-between runs (HISTORY.md, sessions 31-36): compare variants within one file, by their mean over rounds.
+between runs (docs/history.md, "Narrow drafting"): compare variants within one file, by their mean over rounds.
 """
 
 from __future__ import annotations

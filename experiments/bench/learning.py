@@ -11,7 +11,7 @@ of :mod:`drafters.features` (computed on first use), anchors from :func:`drafter
 Every ``--eval-every`` steps it records, on the validation split (or the training batch with
 ``--overfit``): CE, top-1 accuracy per slot, and the teacher-forced greedy τ over every response
 anchor (on greedy self-distilled data the data's tokens are the target's greedy tokens, so this τ is
-the online T=0 τ; DESIGN.md §4), plus the mean gradient norms of the context path (``fuse``; layerwise: layer 0's k projection) and
+the online T=0 τ; docs/method.md §4), plus the mean gradient norms of the context path (``fuse``; layerwise: layer 0's k projection) and
 the drafter layers. ``--init first_wave`` rebuilds the first wave's initialisation (weights std
 0.02, output norm = the target's final norm / sqrt(H)) for comparison; ``--init target_last`` starts
 the drafter as the target's last layer(s) reading the deepest selected state (no help: see README).
@@ -42,7 +42,7 @@ from losses import AcceptanceAlignedLoss
 
 
 def first_wave_init(drafter: BlockDiffusionDrafter, target) -> None:
-    """The first wave's initialisation (collapsed; DESIGN.md §6), to reproduce the diagnosis."""
+    """The first wave's initialisation (collapsed: docs/history.md, "Why the first-wave drafters did not draft")."""
     with torch.no_grad():
         for module in drafter.modules():
             if isinstance(module, torch.nn.Linear):

@@ -1,11 +1,11 @@
 """Plot learning curves side by side (teacher-forced τ and slot-1 accuracy vs training step):
 
-    python -m experiments.bench.learning_plot experiments/results/diagnosis/learning_curves.json \\
-        [--runs g2_600 ar_target ...] [--out experiments/results/diagnosis]
+    python -m experiments.bench.learning_plot runs/bench_learning.json [more.json ...] \\
+        [--runs g2_600 ar_target ...] [--out runs/learning_plots]
 
-Reads a collection (``{"runs": {name: {"what": ..., "curve": [...]}}}``, as in
-``experiments/results/diagnosis/learning_curves.json``) or single ``python -m experiments.bench.learning``
-outputs (``{"settings": ..., "curve": [...]}``, named by file stem); every curve point needs ``step``
+Reads a collection (``{"runs": {name: {"what": ..., "curve": [...]}}}``, as in the diagnosis record
+``experiments/results/diagnosis/learning_curves.json`` at commit 9f469f9, docs/history.md) or single
+``python -m experiments.bench.learning`` outputs (``{"settings": ..., "curve": [...]}``, named by file stem); every curve point needs ``step``
 and ``tau``, and ``acc1`` or ``acc_slot`` for the accuracy panel. Writes ``learning_tau.png`` and
 ``learning_acc1.png`` to ``--out``.
 """

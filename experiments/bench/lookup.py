@@ -4,7 +4,7 @@ On greedy data (``data=regen_greedy``) the stored answers are the target's greed
 :class:`verify.PromptLookupDrafter`'s rule against them (copy the K tokens after the latest earlier
 occurrence of the last 3, 2 or 1 tokens; accept the matching prefix, plus the target's own token) gives
 exactly the τ it would reach online at T=0 on those prompts. A domain where this is high has loops and
-repeats a drafter could learn to copy (experiments/results/HISTORY.md, "Lookup hints").
+repeats a drafter could learn to copy (docs/history.md, "Lookup hints").
 
     python -m experiments.bench.lookup --data-dir <data dir> [--out runs/bench_lookup.json]
 """

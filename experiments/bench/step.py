@@ -1,6 +1,6 @@
 """Cost of one speculative step, part by part, against one target-only step (CPU or GPU).
 
-Profiles the real decoding loop (:mod:`experiments.bench.step_profile`) on the embedded tiny target with
+Profiles the real decoding loop (:mod:`experiments.bench.profiling`) on the embedded tiny target with
 a freshly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (untrained weights cost
 what trained ones do; ``--drafter-config layerwise --num-layers 2`` profiles the main job's design) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
 prompts of 185-215 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
@@ -18,13 +18,11 @@ adds a trained one, and ``--confidence`` thresholds its confidence-truncated dra
 target-only decoding on the same prompts, interleaved, with τ and the break-even τ = τ / speedup
 (prefill included, which dilutes it). A random drafter has τ ≈ 1.
 
-``--baseline REV`` also runs ``verify/generate.py``, ``verify/rejection.py`` and
-``drafters/model.py`` as they were at git revision REV (variants ``before/...``, same weights),
-interleaved with today's in the same process, and writes ``before_after``. ``--label`` names the
-run inside ``--out``; runs under other labels already in the file are kept.
+``--label`` names the run inside ``--out``; runs under other labels already in the file are kept. To compare
+two versions of the code, run each checkout under its own label into the same file.
 
-    python -m experiments.bench.step --baseline a2adb9b --drafter <run>/drafter --confidence 0.4 0.6 0.8
-           --label main --out experiments/results/bench/bench_step.json   (one command line)
+    python -m experiments.bench.step --drafter <run>/drafter --confidence 0.4 0.6 0.8 --label main \
+        --out runs/bench_step.json
 """
 
 from __future__ import annotations
@@ -39,14 +37,12 @@ import torch
 
 from drafters.model import BlockDiffusionDrafter
 from experiments.bench import drafter_factory
-from experiments.bench.step_profile import (
+from experiments.bench.profiling import (
     TARGET_ONLY,
     Variant,
     break_even,
     end_to_end,
-    load_baseline,
     profile_steps,
-    target_only_name,
 )
 from experiments.data.prompts import encode_prompt, left_pad
 from experiments.data.suites import load_humaneval
@@ -80,9 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--e2e-rounds", type=int, default=3)
     parser.add_argument("--confidence", type=float, nargs="*", default=[],
                         help="also run end to end with drafts truncated at these top-1 probability thresholds")
-    parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also run verify/generate.py, verify/rejection.py and drafters/model.py as they were "
-                             "at this git revision, interleaved in the same process (variants before/...)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -106,12 +99,10 @@ def make_batches(prompts, batch_size: int, count: int, pad_id: int, device) -> l
     return [left_pad(chosen[i: i + batch_size], pad_id, device) for i in range(0, count, batch_size)]
 
 
-def random_drafters(args, target, device, baseline) -> tuple[dict, dict]:
-    """``(drafters, variants)``: a random drafter per block size (seeded alike), each a variant, with
-    its ``before/`` twin when ``baseline`` (old modules) is given; plus the target-only variants."""
+def random_drafters(args, target, device) -> tuple[dict, dict]:
+    """``(drafters, variants)``: a random drafter per block size (seeded alike), each a variant; plus the
+    target-only variant."""
     drafters, variants = {}, {TARGET_ONLY: Variant()}
-    if baseline is not None:
-        variants[f"before/{TARGET_ONLY}"] = Variant(generate=baseline[0])
     for block_size in args.block_sizes:
         torch.manual_seed(args.seed)
         name = f"spec_K{block_size - 1}"
@@ -119,11 +110,6 @@ def random_drafters(args, target, device, baseline) -> tuple[dict, dict]:
                                                       f"drafter.num_layers={args.num_layers}"])
         drafters[name] = drafter = build(target).to(device).eval()
         variants[name] = Variant(drafter)
-        if baseline is not None:
-            old = baseline[1].BlockDiffusionDrafter(baseline[1].DrafterConfig.from_dict(drafter.config.to_dict()))
-            old.load_state_dict(drafter.state_dict())
-            old.attach_target(target)
-            variants[f"before/{name}"] = Variant(old.to(device).eval(), baseline[0])
     return drafters, variants
 
 
@@ -146,19 +132,15 @@ def step_costs(args, target, variants: dict, prompts, pad_id: int, device) -> tu
     return steps, batches
 
 
-def end_to_end_runs(args, target, variants: dict, prompts, pad_id: int, device, baseline) -> dict:
-    """Tokens/s of whole generations per batch size: the variants, a trained ``--drafter`` (and its
-    ``--confidence`` thresholds) and their ``before/`` twins."""
+def end_to_end_runs(args, target, variants: dict, prompts, pad_id: int, device) -> dict:
+    """Tokens/s of whole generations per batch size: the variants and a trained ``--drafter`` (and its
+    ``--confidence`` thresholds)."""
     if args.e2e_prompts <= 0:
         return {}
     e2e_variants = dict(variants)
     if args.drafter is not None:
         trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device)
         e2e_variants[f"trained_K{trained.num_draft_tokens}"] = Variant(trained)
-        if baseline is not None:
-            old = baseline[1].BlockDiffusionDrafter.from_pretrained(args.drafter, target=target)
-            e2e_variants[f"before/trained_K{trained.num_draft_tokens}"] = Variant(old.to(device).eval(),
-                                                                                  baseline[0])
     for threshold in args.confidence:
         for name, variant in list(e2e_variants.items()):
             if variant.drafter is not None and "/" not in name and "@" not in name and (
@@ -179,11 +161,10 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     target, tokenizer = load_target(args.target or str(TINY_TARGET_DIR), device=args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    baseline = load_baseline(args.baseline) if args.baseline else None
-    drafters, variants = random_drafters(args, target, device, baseline)
+    drafters, variants = random_drafters(args, target, device)
     prompts = humaneval_prompts(tokenizer, *args.prompt_tokens)
     steps, batches = step_costs(args, target, variants, prompts, pad_id, device)
-    e2e = end_to_end_runs(args, target, variants, prompts, pad_id, device, baseline)
+    e2e = end_to_end_runs(args, target, variants, prompts, pad_id, device)
     run = {
         "config": {**vars(args), "drafter": runs_path(args.drafter) if args.drafter else None,  # no machine paths
                    "target": portable_path(args.target) if args.target else None, "out": portable_path(args.out)},
@@ -196,7 +177,6 @@ def main(argv=None) -> dict:
         "step": steps,
         "end_to_end": e2e,
     }
-    run["before_after"] = before_after(run)
     out_path = Path(args.out)
     results = json.loads(out_path.read_text()) if out_path.is_file() else {}
     results.setdefault("runs", {})[args.label] = run
@@ -205,35 +185,6 @@ def main(argv=None) -> dict:
     print(format_table(run))
     print(f"wrote {out_path} (run {args.label!r})")
     return run
-
-
-def before_after(run: dict) -> dict:
-    """``{batch: {variant: {quantity: [before, after]}}}`` for every variant also run as ``before/...``:
-    step cost (median CPU ms), target-only step cost, break-even τ, and end to end tokens/s and
-    speedup over target-only (``--baseline`` runs only)."""
-    out: dict = {}
-    for batch, summary in run["step"].items():
-        for name in summary["break_even_tau_cpu"]:
-            if name.startswith("before/") or f"before/{name}" not in summary:
-                continue
-            target = target_only_name(name)
-            out.setdefault(batch, {})[name] = {
-                "step_cpu_ms": [summary[f"before/{name}"]["total_cpu_ms"], summary[name]["total_cpu_ms"]],
-                "target_step_cpu_ms": [summary[f"before/{target}"]["total_cpu_ms"], summary[target]["total_cpu_ms"]],
-                "break_even_tau": [summary["break_even_tau_cpu"][f"before/{name}"],
-                                   summary["break_even_tau_cpu"][name]],
-            }
-    for batch, result in run["end_to_end"].items():
-        for name, r in result.items():
-            if name.startswith("before/") or f"before/{name}" not in result:
-                continue
-            old = result[f"before/{name}"]
-            entry = out.setdefault(f"end_to_end_{batch}", {}).setdefault(name, {})
-            entry["tokens_per_s"] = [old["tokens_per_s"], r["tokens_per_s"]]
-            if "speedup" in r:
-                entry["speedup"] = [old["speedup"], r["speedup"]]
-                entry["break_even_tau"] = [old["break_even_tau"], r["break_even_tau"]]
-    return out
 
 
 def _drafter_card(path: str | None) -> dict | None:

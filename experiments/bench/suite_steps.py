@@ -6,7 +6,7 @@
 
 The arguments are ``experiments.evaluate``'s overrides (``temperatures=[0.0]`` unless given), and the decoding is
 its own (:func:`experiments.pipeline.evaluation.evaluate_suite`, target-only runs included), with a step clock
-(:class:`.step_profile.StepClock`) in the speculative loop. Per suite and temperature the JSON gives τ, the
+(:class:`.profiling.StepClock`) in the speculative loop. Per suite and temperature the JSON gives τ, the
 speedup, the mean draft width, ``by_draft_source`` (what drafted the steps and how many drafts each kept) and
 ``ms_per_step``: the mean wall time per speculative step of each part (``draft``, ``target_forward``,
 ``verify``, ``drafter_extend``, ``select_rows``, ``crop``, ``bookkeeping``; ``prefill`` amortised over the
@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from experiments.bench import evaluation_config, with_defaults, write_record
-from experiments.bench.step_profile import StepClock, device_sync, timed_parts
+from experiments.bench.profiling import StepClock, device_sync, timed_parts
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite

@@ -1,6 +1,6 @@
 """Evaluation task suites: one loader per suite, each returning a list of :class:`Prompt`.
 
-Suites (DESIGN.md §5), with their local sources the defaults and the hub as an alternative:
+Suites (docs/method.md §5), with their local sources the defaults and the hub as an alternative:
 
 ========== ============ ============================================ ======================================
 suite      domain       local source (default)                       hub source (name set in conf/suite/)

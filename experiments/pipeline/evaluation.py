@@ -6,7 +6,7 @@ The drafter is a config group (``conf/eval/drafter/``, searched by this entry po
 ``drafter=ar_assistant`` (a small causal LM, ``drafter.path=<HF model dir>``, default the shipped
 ``experiments/assets/ar_assistant``). The baselines draft K = 15 tokens (``drafter.num_draft_tokens``).
 
-For every suite (``suite``, default all three of DESIGN.md §5) and temperature (``temperatures``,
+For every suite (``suite``, default all three of docs/method.md §5) and temperature (``temperatures``,
 default 0 and 1) the target decodes every prompt speculatively with the drafter
 (:func:`verify.speculative_generate`, exact verification) and, with ``measure_target_only``, once more
 alone (:func:`verify.target_generate`, same prompts, same batches, interleaved batch by batch) for the

@@ -23,7 +23,7 @@ from experiments.pipeline.records import GENERATION_KEYS
 class DecodingSettings:
     """How a drafter is evaluated (the defaults are those of ``conf/decoding/default.yaml``)."""
 
-    temperatures: tuple[float, ...] = (0.0, 1.0)  # DESIGN.md §4: report T=0 and T=1
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # docs/method.md §4: report T=0 and T=1
     top_k: int | None = None
     top_p: float | None = None
     max_new_tokens: int = 128
