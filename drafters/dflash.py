@@ -1,4 +1,4 @@
-"""Import and export of the DFlash serving format (DESIGN.md §5b).
+"""Import and export of the DFlash serving format (docs/method.md §6).
 
 vLLM (``"method": "dflash"``), SGLang (``--speculative-algorithm DFLASH``) and the ``dflash`` package
 load block drafters from one directory:

@@ -41,7 +41,7 @@ class TargetOutput:
 
 @dataclass
 class SpeculativeOutput(TargetOutput):
-    """Result of :func:`speculative_generate`; metrics follow DESIGN.md §4 (see verify.metrics)."""
+    """Result of :func:`speculative_generate`; metrics follow docs/method.md §4 (see verify.metrics)."""
 
     accepted_counts: list[list[int]] = field(default_factory=list)  # kept drafts, per row per step
     # What drafted each of those steps (the drafter's draft_sources(); empty lists when it has none).
@@ -116,7 +116,7 @@ def _pad_id(target, pad_token_id, eos: torch.Tensor) -> int:
 
 
 class _NoClock:
-    """The default step clock: records nothing (:mod:`experiments.bench.step_profile` passes one that does)."""
+    """The default step clock: records nothing (:mod:`experiments.bench.profiling` passes one that does)."""
 
     def start(self) -> None:
         pass
@@ -472,7 +472,7 @@ def speculative_generate(
     ``sequences`` is the prompt followed by each row's new tokens, padded with ``pad_token_id``
     (default: the target's pad id, else the first EOS id, else 0) to the longest row. ``clock``: an
     optional step clock timing the parts of every step (``start()``, ``lap(name)``, ``next_step()``; e.g.
-    :class:`experiments.bench.step_profile.StepClock`).
+    :class:`experiments.bench.profiling.StepClock`).
     """
     num_drafts = getattr(drafter, "num_draft_tokens", 0)
     if not isinstance(num_drafts, int) or num_drafts < 1:

@@ -1,4 +1,4 @@
-"""Acceptance metrics of speculative decoding (DESIGN.md §4), as pure functions of plain lists.
+"""Acceptance metrics of speculative decoding (docs/method.md §4), as pure functions of plain lists.
 
 Inputs, one entry per prompt (row):
 

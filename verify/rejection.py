@@ -1,6 +1,6 @@
 """Exact speculative rejection sampling: logit warping and the batched left-to-right verifier.
 
-Notation follows DESIGN.md §3: drafts d_1..d_K, proposal distributions q_1..q_K (one-hot at d_k for
+Notation follows docs/method.md §3: drafts d_1..d_K, proposal distributions q_1..q_K (one-hot at d_k for
 deterministic drafts) and target distributions p_0..p_K from one target pass over
 ``[anchor, d_1..d_K]``, where p_{k-1} is the target's distribution for the token at draft slot k and
 p_K is the bonus distribution. All arithmetic is float32.
@@ -119,7 +119,7 @@ def verify_block(
     target_probs: torch.Tensor,  # (B, K + 1, V) p_0..p_K
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) num_accepted in 0..K, (B,) next_token
-    """Verify one block of drafts per row, strictly left to right (DESIGN.md §3).
+    """Verify one block of drafts per row, strictly left to right (docs/method.md §3).
 
     For k = 1..K, d_k is accepted with probability min(1, p_{k-1}(d_k) / q_k(d_k)); the first
     rejection stops the row. A row that rejects d_k emits a token from

@@ -17,7 +17,7 @@ to other processes on a shared machine; wall times are recorded too):
 * ``head``: the LM head over n hidden states, one product (``F.linear``) against :func:`verify.hf.linear_logits`;
 * ``alone``: the parts of a step run alone: the target's forward over 1 column with its logits (a target-only
   step), over the W + 1 columns of a block without logits, and one draft;
-* ``steps``: real decoding steps (:mod:`experiments.bench.step_profile`), target-only and speculative, of today's
+* ``steps``: real decoding steps (:mod:`experiments.bench.profiling`), target-only and speculative, of today's
   ``verify/`` and, with ``--baseline REV``, of ``verify/`` as it was at REV (``before/...``, its drafter's head one
   product over the vocabulary as ``drafters/model.py`` computed it there); medians per part;
 * ``ratios``: per version, the speculative step over the target-only step, and the step over the sum of its parts
@@ -40,7 +40,7 @@ import torch
 
 import verify.generate
 from experiments.bench import drafter_factory, write_record
-from experiments.bench.step_profile import Variant, profile_steps
+from experiments.bench.profiling import Variant, profile_steps
 from experiments.pipeline.paths import cache_path, portable_path
 from verify.hf import linear_logits, new_growing_kv_cache
 
