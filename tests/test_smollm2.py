@@ -25,7 +25,7 @@ def smollm2_target():
 
 
 def test_the_converted_folder_is_a_plain_llama_with_its_record(smollm2_target):
-    path, target, tokenizer = smollm2_target
+    path, _, tokenizer = smollm2_target
     config = json.loads((smollm2.Path(path) / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)

@@ -17,8 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import hydra
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+
+from verify.drafter import copy_tokens, lookup_start
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -111,3 +114,19 @@ def write_record(doc: dict, out: str | Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
+
+
+def lookup_replay(prompt: list[int], response: list[int], num_draft_tokens: int, max_ngram: int, min_ngram: int) -> int:
+    """Speculative steps prompt lookup (:class:`verify.PromptLookupDrafter`'s rule) needs to emit ``response`` after
+    ``prompt`` under greedy verification (``experiments.bench.lookup``, ``experiments.bench.choose_k``)."""
+    seq, done, steps = list(prompt), 0, 0
+    while done < len(response):
+        row = torch.tensor(seq)
+        draft = copy_tokens(row, lookup_start(row, max_ngram, min_ngram), num_draft_tokens).tolist()
+        accepted = 0
+        while accepted < len(draft) and done + accepted < len(response) and draft[accepted] == response[done + accepted]:
+            accepted += 1
+        emitted = min(accepted + 1, len(response) - done)  # the accepted drafts and the target's next token
+        seq += response[done: done + emitted]
+        done, steps = done + emitted, steps + 1
+    return steps

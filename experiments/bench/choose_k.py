@@ -22,8 +22,8 @@ import torch
 
 from drafters.data import load_regenerated, split_by_id
 from drafters.tau import greedy_walk
+from experiments.bench import lookup_replay as replay
 from experiments.bench import write_record
-from experiments.bench.lookup import replay
 from experiments.data.target import load_target
 from experiments.pipeline.assistant import leading_correct
 from verify.hf import new_growing_kv_cache

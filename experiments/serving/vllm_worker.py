@@ -67,10 +67,10 @@ def run_phase(llm, phase: dict, stop_token_ids: list[int]) -> dict:
 def build_engine(job: dict):
     from vllm import LLM
 
-    kwargs = dict(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-                  max_model_len=int(job["max_model_len"]), max_num_seqs=int(job["max_num_seqs"]),
-                  seed=int(job.get("seed", 0)), disable_log_stats=False, skip_tokenizer_init=True,
-                  distributed_executor_backend="uni")  # the model runs in this process
+    kwargs = {"model": job["model"], "dtype": job.get("dtype", "float32"), "enforce_eager": True,
+                  "max_model_len": int(job["max_model_len"]), "max_num_seqs": int(job["max_num_seqs"]),
+                  "seed": int(job.get("seed", 0)), "disable_log_stats": False, "skip_tokenizer_init": True,
+                  "distributed_executor_backend": "uni"}  # the model runs in this process
     if job.get("speculative_config"):
         kwargs["speculative_config"] = dict(job["speculative_config"])
     return LLM(**kwargs)
