@@ -30,14 +30,15 @@ run inside ``--out``; runs under other labels already in the file are kept.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from drafters.model import BlockDiffusionDrafter
+from drafters.policy import DraftingPolicy, PolicyDrafter
 from experiments.bench import drafter_factory
 from experiments.bench.step_profile import (
     TARGET_ONLY,
@@ -252,11 +253,10 @@ def _drafter_card(path: str | None) -> dict | None:
 
 
 def _with_threshold(drafter, threshold: float):
-    """A shallow copy of ``drafter`` (sharing its weights and target) that truncates drafts at
-    ``threshold`` (:attr:`drafters.model.BlockDiffusionDrafter.confidence_threshold`)."""
-    clone = copy.copy(drafter)
-    clone.confidence_threshold = threshold
-    return clone
+    """``drafter`` (its weights, target and other policy settings) truncating drafts at ``threshold``
+    (:attr:`drafters.policy.DraftingPolicy.confidence_threshold`)."""
+    policy = getattr(drafter, "policy", DraftingPolicy())
+    return PolicyDrafter(getattr(drafter, "drafter", drafter), replace(policy, confidence_threshold=threshold))
 
 
 def format_table(run: dict, suffix: str = "cpu_ms") -> str:
