@@ -271,3 +271,16 @@ def test_logits_over_a_vocabulary_subset_are_the_full_logits_columns(design):
         logits = drafter.block_logits(ids.gather(1, anchors), anchors, kv, drafter.training_mask(anchors, 12),
                                       vocab_ids=vocab_ids)
     torch.testing.assert_close(logits, one_pass[..., vocab_ids], atol=1e-5, rtol=1e-5)
+
+
+def test_composed_drafters_pickle():
+    """ddp_spawn pickles the training module: a composed class is found again by its name."""
+    import pickle
+
+    attached = BlockDiffusionDrafter.from_target(build_target("llama"), num_layers=2, layerwise_context=True,
+                                                 lookup_hints=True)
+    drafter = DFlashDrafter.build(attached.config, attached.variants)  # no target: the test pickles the drafter only
+    clone = pickle.loads(pickle.dumps(drafter))
+    assert type(clone) is type(drafter) and type(drafter).__name__ == "DFlashDrafter__hints__layerwise"
+    assert clone.variants == drafter.variants
+    assert all(torch.equal(a, b) for a, b in zip(clone.state_dict().values(), drafter.state_dict().values()))

@@ -61,7 +61,15 @@ def _compose(names: tuple[str, ...]) -> type:
     if not names:
         return DFlashDrafter
     bases = tuple(REGISTRY[n] for n in names) + (DFlashDrafter,)
-    return type("DFlashDrafter[" + "+".join(names) + "]", bases, {"variant_names": names, "__module__": __name__})
+    name = "__".join(("DFlashDrafter", *names))  # importable by this name: module __getattr__ (pickling, ddp_spawn)
+    return type(name, bases, {"variant_names": names, "__module__": __name__, "__qualname__": name})
+
+
+def __getattr__(name: str) -> type:
+    """The composed classes by their names (``DFlashDrafter__hints__layerwise``), so that pickle finds them."""
+    if name.startswith("DFlashDrafter__"):
+        return compose(name.split("__")[1:])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def options_of(klass: type, variants: Mapping[str, Any], config: DrafterConfig) -> dict[str, Any]:
