@@ -74,6 +74,14 @@ class DraftingPolicy:
                              f"drafter.follow_hint_after=0 (got {m}), or null")
 
 
+def confident_width(logits: torch.Tensor, threshold: float) -> int:
+    """Slots (from slot 1) that every row's drafts need: the longest leading run over rows of slots whose top-1
+    probability is at least ``threshold``. logits: (B, K, V)."""
+    top1 = (logits.amax(-1) - logits.logsumexp(-1)).exp()  # (B, K)
+    leading = (top1 >= threshold).long().cumprod(-1).sum(-1)  # (B,)
+    return int(leading.max()) if leading.numel() else 0
+
+
 class PolicyDrafter:
     """A block drafter drafting under a :class:`DraftingPolicy` (checked here); other attributes are the
     wrapped drafter's (``policy_drafter.config``, ``.parameters()``, ...)."""
@@ -81,7 +89,8 @@ class PolicyDrafter:
     def __init__(self, drafter: nn.Module, policy: DraftingPolicy | None = None) -> None:
         self.drafter, self.policy = drafter, policy or DraftingPolicy()
         self.policy.check(drafter)
-        self._width_mean = 2.0  # recent confident width: the first LM-head chunk of the confidence cut
+        #: Recent mean confident width: the confidence cut's first LM-head chunk covers it plus one slot.
+        self.width_mean = 2.0
         self._sources: list[str] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -139,7 +148,7 @@ class PolicyDrafter:
         if p.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
             follow = self._follows_hint(block, logits if logits is not None else d.head(states[:, : p.follow_hint_after]))
         if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
-            logits = d.head(states) if follow is not None and bool(follow.any()) else self._confident_logits(states)
+            logits = d.head(states) if follow is not None and bool(follow.any()) else self.confident_logits(states)
         return logits, follow
 
     def _hint_rows(self, block: Block) -> torch.Tensor:
@@ -160,7 +169,7 @@ class PolicyDrafter:
         hints, m = block.hints[0], self.policy.follow_hint_after
         return self._hint_rows(block) & (logits[:, :m].argmax(-1) == hints[:, :m]).all(-1)
 
-    def _confident_logits(self, states: torch.Tensor) -> torch.Tensor:
+    def confident_logits(self, states: torch.Tensor) -> torch.Tensor:
         """``logits[:, :w]`` for ``logits = head(states)`` (B, K', H), w the longest leading run over rows of
         slots with top-1 probability >= the threshold; the LM head runs slot chunk by slot chunk until every row
         has met a slot below it (the first chunk: the recent mean width plus one slot; each next twice as long)."""
@@ -168,7 +177,7 @@ class PolicyDrafter:
         threshold = self.policy.confidence_threshold
         leading = torch.zeros(rows, dtype=torch.long, device=states.device)  # confident slots so far
         parts, start = [], 0
-        size = max(1, math.ceil(self._width_mean) + 1)
+        size = max(1, math.ceil(self.width_mean) + 1)
         while start < num_slots:
             end = min(num_slots, start + size)
             logits = self.drafter.head(states[:, start:end])  # (B, n, V)
@@ -180,7 +189,7 @@ class PolicyDrafter:
                 break
             start, size = end, 2 * size
         width = int(leading.max()) if rows else 0
-        self._width_mean = 0.7 * self._width_mean + 0.3 * width
+        self.width_mean = 0.7 * self.width_mean + 0.3 * width
         return torch.cat(parts, dim=1)[:, :width]
 
     @staticmethod
