@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from drafters.data import sample_anchors
+from drafters.vocab import TrainVocab, remap_labels
 
 
 def slot_positions(anchors: torch.Tensor, num_slots: int, seq_len: int) -> torch.Tensor:
@@ -45,18 +46,26 @@ def select_blocks(
     num_anchors: int,
     generator: torch.Generator,
     soft: bool = False,
+    vocab: TrainVocab | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Drafter logits and labels of the blocks that have labels: (N, K, V), (N, K), (N, K), probs.
 
     ``num_anchors`` blocks per row are anchored at random response columns
     (:func:`drafters.data.sample_anchors` with ``generator``). ``states``: the target's hidden states
     (full HF tuple) or cached features (B, S, L*H). With ``soft``, the target's distributions at the
-    blocks' slots (N, K, V) come from ``target_logits`` (B, S, V); else probs is None.
+    blocks' slots (N, K, V) come from ``target_logits`` (B, S, V); else probs is None. ``vocab``:
+    a candidate vocabulary (:class:`drafters.vocab.TrainVocab`): logits (N, K, V' + R) over the candidates and
+    R sampled negatives, labels as candidate indices, each block's labels cut at its first one outside.
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
     anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], num_anchors, generator)
-    logits = drafter.forward_train(states, ids, None, anchors, amask, attn, batch["prompt_len"])  # (B,A,K,V)
+    extra = {} if vocab is None else {"vocab_ids": vocab.columns(generator)}
+    logits = drafter.forward_train(states, ids, None, anchors, amask, attn, batch["prompt_len"], **extra)  # (B,A,K,V)
     labels, mask = drafter.block_labels(ids, anchors, amask, attn)  # (B, A, K)
+    if vocab is not None:
+        if soft:
+            raise ValueError("soft-label losses need the full vocabulary: drop module.train_vocab_size")
+        labels, mask = remap_labels(labels, mask, vocab.table)
     keep = mask.any(-1)  # (B, A)
     # Drop padding blocks; when there are none, flatten instead (indexing would copy the logits
     # and scatter their gradient back, ~10% of a CPU step).

@@ -21,6 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from drafters.checks import (
+    WEIGHTS_KEY,
+    check_dflash_fields,
+    check_fields,
+    check_target_weights,
+    target_weights_sha1,
+)
 from drafters.config import (
     FINGERPRINT_KEYS,
     DrafterConfig,
@@ -49,7 +56,7 @@ class CheckpointMixin:
     def from_target(cls, target: nn.Module, *, block_size: int = 16, num_layers: int = 1,
                     target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
                     init_from: str | Path | None = None, init_layers_from_target: bool = False,
-                    gradient_checkpointing: bool = False, variants: Mapping[str, Any] | None = None,
+                    allow_other_target: bool = False, gradient_checkpointing: bool = False, variants: Mapping[str, Any] | None = None,
                     **overrides: Any):
         """A freshly initialised drafter sized from ``target.config`` and attached to ``target``.
 
@@ -61,6 +68,8 @@ class CheckpointMixin:
         ``init_from``: a saved drafter (blockdraft or DFlash format) to start from instead of a fresh
         initialisation; the other arguments that are not None must equal its values.
         ``init_layers_from_target``: start the drafter's layers as copies of the target's layers.
+        ``allow_other_target``: with ``init_from``, accept a checkpoint trained for a target with other weights
+        (:func:`drafters.checks.check_target_weights`).
         """
         from drafters.variants import compose, split_flat
 
@@ -71,7 +80,8 @@ class CheckpointMixin:
                              "variants' switches (drafters.variants.FLAT_KEYS)")
         if init_from is not None:
             return _from_checkpoint(target, init_from, dict(core, block_size=block_size, target_layer_ids=target_layer_ids,
-                                    mask_token_id=mask_token_id), variants, num_layers).set_gradient_checkpointing(
+                                    mask_token_id=mask_token_id), variants, num_layers,
+                                    allow_other_target).set_gradient_checkpointing(
                                         gradient_checkpointing)
         klass = compose(variants)
         tcfg = _hf_config(target)
@@ -81,8 +91,10 @@ class CheckpointMixin:
         if mask_token_id is None:
             mask_token_id = first_attr(tcfg, ["mask_token_id"], sizes["vocab_size"] - 1)
         fields = {k: v for k, v in sizes.items() if k != "num_hidden_layers"}
+        fingerprint = target_fingerprint(tcfg)
+        fingerprint[WEIGHTS_KEY] = target_weights_sha1(target)  # which weights it is trained for (drafters/checks.py)
         fields.update(block_size=block_size, num_layers=num_layers, target_layer_ids=tuple(target_layer_ids),
-                      mask_token_id=int(mask_token_id), target_fingerprint=target_fingerprint(tcfg), **core)
+                      mask_token_id=int(mask_token_id), target_fingerprint=fingerprint, **core)
         drafter = klass.build(DrafterConfig(**fields), variants).attach_target(target)
         # The output norm starts as the target's final norm, so the shared LM head sees inputs at the scale it
         # was trained on and the drafter can be as confident as the target from step 1 (a norm shrunk below
@@ -164,9 +176,10 @@ class CheckpointMixin:
         """Read what :meth:`_save_extras` wrote."""
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None):
+    def from_pretrained(cls, directory: str | Path, target: nn.Module | None = None, allow_other_target: bool = False):
         """Load a saved drafter (its variants from its config); with ``target``, attach it (refused if its
-        fingerprint differs). A DFlash serving checkpoint is converted (:func:`drafters.dflash.load_dflash`,
+        fingerprint differs, or its weights are not those the drafter was trained for unless
+        ``allow_other_target``: :func:`drafters.checks.check_target_weights`). A DFlash serving checkpoint is converted (:func:`drafters.dflash.load_dflash`,
         needs ``target``). Returned in eval mode, as transformers' ``from_pretrained`` does."""
         from drafters.locks import check_safetensors, read_json
         from drafters.variants import read_saved_config
@@ -182,13 +195,18 @@ class CheckpointMixin:
         if "architectures" in raw or "dflash_config" in raw:  # a HF-style config: the DFlash format
             from drafters.dflash import load_dflash
 
-            return load_dflash(directory, target).eval()
+            check_dflash_fields(raw, directory / CONFIG_NAME)
+            drafter = load_dflash(directory, target).eval()
+            check_target_weights(drafter.config.target_fingerprint, target, directory, allow_other_target)
+            return drafter
+        check_fields(DrafterConfig, raw, directory / CONFIG_NAME)  # a wrongly typed field is named
         config, variants = read_saved_config(raw, directory / CONFIG_NAME)
         drafter = cls.build(config, variants)
         drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
         drafter._load_extras(directory)
         if target is not None:
             drafter.attach_target(target)
+            check_target_weights(config.target_fingerprint, target, directory, allow_other_target)
         return drafter.eval()
 
     def with_variant(self, name: str, **options: Any):
@@ -213,7 +231,7 @@ class CheckpointMixin:
 
 
 def _from_checkpoint(target: nn.Module, path: str | Path, given: dict[str, Any], variants: Mapping[str, Any],
-                     num_layers: int | None):
+                     num_layers: int | None, allow_other_target: bool = False):
     """``from_target(..., init_from=path)``: the saved drafter at ``path`` attached to ``target``.
 
     The checkpoint fixes the architecture. ``num_layers`` is the fresh-initialisation size, so a
@@ -223,8 +241,9 @@ def _from_checkpoint(target: nn.Module, path: str | Path, given: dict[str, Any],
     from drafters.model import DFlashDrafter
     from drafters.variants import compose, options_of
 
-    drafter = DFlashDrafter.from_pretrained(path, target=target)
+    drafter = DFlashDrafter.from_pretrained(path, target=target, allow_other_target=allow_other_target)
     cfg = drafter.config
+    cfg.target_fingerprint[WEIGHTS_KEY] = target_weights_sha1(target)  # trained from here on for this target
     given = {k: v for k, v in given.items() if v is not None}
     if "target_layer_ids" in given:
         given["target_layer_ids"] = tuple(int(i) for i in given["target_layer_ids"])

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from drafters.checks import check_target_config, legacy_fingerprint
+
 FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
 MAX_DEFAULT_TARGET_LAYERS = 5
 # Values of DrafterConfig fields for saved configs that predate them (their drafters had no such part).
@@ -173,6 +175,7 @@ def target_sizes(config: Any) -> dict[str, Any]:
     """Sizes read from a HF config (Llama/Qwen names, or GPT-2's n_embd / n_layer / n_head)."""
     if hasattr(config, "get_text_config"):  # multimodal configs nest the language model's config
         config = config.get_text_config()
+    check_target_config(config)  # a wrongly typed field is named
     hidden = first_attr(config, ["hidden_size", "n_embd", "d_model"])
     layers = first_attr(config, ["num_hidden_layers", "n_layer"])
     heads = first_attr(config, ["num_attention_heads", "n_head"])
@@ -202,6 +205,7 @@ def check_same_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
     (fingerprint), or another drafter shape or variant (the fields named)."""
     from drafters.variants import compose, options_of, read_saved_config
 
+    saved = legacy_fingerprint(saved, current)  # a checkpoint from before the weights signature: compared without it
     if saved.get("target_fingerprint") != current["target_fingerprint"]:
         raise ValueError(
             f"checkpoint was trained for another target: its target fingerprint is "

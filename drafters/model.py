@@ -45,6 +45,7 @@ from drafters.config import (
 )
 from drafters.drafting import DraftingMixin
 from drafters.layers import BlockContext, DrafterLayer, RMSNorm, copy_target_layers, rope_cos_sin
+from verify import hf as verify_hf
 
 
 class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
@@ -170,7 +171,8 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
         head = self.target.get_output_embeddings()
         x = states.reshape(-1, states.shape[-1]).to(head.weight.dtype)  # one plain matmul
         if vocab_ids is None:
-            out = head(x)
+            plain = type(head) is nn.Linear and head.bias is None  # verify.hf.linear_logits: the fast product on CPU
+            out = verify_hf.linear_logits(head.weight, x) if plain else head(x)
         else:
             bias = getattr(head, "bias", None)
             out = F.linear(x, head.weight[vocab_ids], None if bias is None else bias[vocab_ids])

@@ -28,6 +28,7 @@ from drafters.config import accepts_argument, check_same_config
 from drafters.optim import warmup_cosine, weight_decay_groups
 from drafters.tau import batch_tau_counts
 from drafters.validation import ValidationSums
+from drafters.vocab import TrainVocab
 
 # warmup_cosine stays importable from here: the configs (and saved runs' configs) name it
 # drafters.module.warmup_cosine.
@@ -49,6 +50,10 @@ class DrafterLightningModule(L.LightningModule):
         val_anchor_chunk: anchors per drafter call in the teacher-forced τ (memory bound).
         seed: anchors of step s on rank r come from seed (seed, s, r), so a resumed run draws the
             same anchors it would have drawn.
+        train_vocab_size: training logits over this many frequent response tokens only (a cheaper step;
+            :mod:`drafters.vocab`; set by :meth:`set_train_vocab`); None = the full vocabulary. Validation
+            and drafting always use the full vocabulary.
+        train_vocab_negatives: ids outside the candidate vocabulary scored each step (a sampled softmax).
     """
 
     def __init__(
@@ -61,6 +66,8 @@ class DrafterLightningModule(L.LightningModule):
         num_anchors: int = 32,
         val_anchor_chunk: int = 64,
         seed: int = 0,
+        train_vocab_size: int | None = None,
+        train_vocab_negatives: int = 0,
     ):
         super().__init__()
         if num_anchors < 1:
@@ -73,6 +80,8 @@ class DrafterLightningModule(L.LightningModule):
         self.num_anchors, self.val_anchor_chunk, self.seed = num_anchors, val_anchor_chunk, seed
         self._logits_to_keep = accepts_argument(target.forward, "logits_to_keep")
         self.val_sums: ValidationSums | None = None  # made by the first validation step (loss components)
+        self.train_vocab_size, self.train_vocab_negatives = train_vocab_size, train_vocab_negatives
+        self.train_vocab: TrainVocab | None = None
 
     def __getstate__(self) -> dict:
         strip_output_capturing_hooks(self.target)  # picklable for ddp_spawn
@@ -100,16 +109,25 @@ class DrafterLightningModule(L.LightningModule):
         out = run_target(self.target, batch, full_logits, self._logits_to_keep)
         return out.hidden_states, out.logits
 
-    def _blocks(self, batch, states, target_logits, generator):
+    def set_train_vocab(self, vocab_ids: torch.Tensor) -> None:
+        """The candidate vocabulary (V',) of the training loss (:func:`drafters.vocab.frequent_tokens`)."""
+        self.train_vocab = TrainVocab.build(vocab_ids, self.drafter.vocab_size, self.train_vocab_negatives)
+
+    def _blocks(self, batch, states, target_logits, generator, vocab=None):
+        if vocab is not None:
+            vocab = vocab.to(self.device)
         return select_blocks(self.drafter, batch, states, target_logits, self.num_anchors, generator,
-                             soft=getattr(self.loss, "soft", False))
+                             soft=getattr(self.loss, "soft", False), vocab=vocab)
 
     # ---- training and validation ----------------------------------------------------------------
 
     def training_step(self, batch, batch_idx):
         states, target_logits = self.context_states(batch, full_logits=getattr(self.loss, "soft", False))
+        if self.train_vocab_size and self.train_vocab is None:
+            raise ValueError("module.train_vocab_size is set but no candidate vocabulary was given (set_train_vocab)")
         logits, labels, mask, target_probs = self._blocks(batch, states, target_logits,
-                                                          self._generator(self.global_step, self.global_rank))
+                                                          self._generator(self.global_step, self.global_rank),
+                                                          self.train_vocab)
         loss, components = self.loss(logits, labels, mask, target_probs)
         bsz = batch["input_ids"].shape[0]
         with torch.no_grad():

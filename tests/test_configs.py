@@ -62,8 +62,8 @@ def test_evaluation_drafters_compose(choice):
     if choice == "ar_assistant":
         assert Path(cfg.drafter.path) == ROOT / "experiments" / "assets" / "ar_assistant"
         assert (Path(cfg.drafter.path) / "model.safetensors").is_file()
-    main = _compose("main")
-    assert list(main.baselines) == ["prompt_lookup", "ar_assistant", "corpus_lookup"]
+    assert list(_compose("main_tiny").baselines) == ["prompt_lookup", "ar_assistant", "corpus_lookup"]
+    assert set(_compose("main").baselines) == {"prompt_lookup", "ar_assistant"}
 
 
 def test_unknown_group_option_is_a_clear_error():
@@ -201,13 +201,28 @@ def test_sweeps_run_at_the_main_jobs_regime(experiment, loss):
     assert {j["loss"] for j in _sweep_jobs(experiment, [])} == {loss}
 
 
-def test_the_main_jobs_drafters_are_evaluated_as_deep_frozen_evaluates_at_the_end_of_training():
-    """conf/main.yaml's trained_evaluate_overrides (experiments.evaluate's drafter.<key>=...) and experiment=deep_frozen's
-    evaluate.drafter (the training run's own evaluation, the ablation's and the sweeps') are the same settings."""
-    main = _compose("main")
+def test_the_tiny_main_jobs_drafters_are_evaluated_as_deep_frozen_evaluates_at_the_end_of_training():
+    """conf/main_tiny.yaml's trained_evaluate_overrides (experiments.evaluate's drafter.<key>=...) and
+    experiment=deep_frozen's evaluate.drafter (the training run's own evaluation) are the same settings."""
+    main = _compose("main_tiny")
     overrides = dict(o.split("=", 1) for o in main.trained_evaluate_overrides)
     settings = OmegaConf.to_container(_compose("train", ["experiment=deep_frozen"]).evaluate.drafter)
     assert {f"drafter.{k}": str(v) for k, v in settings.items()} == overrides
+
+
+def test_the_main_jobs_drafters_are_core_dflash_drafters():
+    """conf/main.yaml's experiment trains small core DFlash drafters: no hints, store, copied layers or anchor
+    variants (so each exports to the DFlash format), on the recorded answers, with a candidate training vocabulary."""
+    main = _compose("main")
+    trained = _compose("train", [f"experiment={main.experiment}"])
+    drafter = trained.drafter
+    assert drafter._target_ == "drafters.BlockDiffusionDrafter.from_target" and drafter.num_layers <= 2
+    assert not any(drafter.get(k) for k in ("lookup_hints", "store_hints", "causal_anchor", "frozen_anchor",
+                                            "refine_passes", "init_from"))
+    assert trained.data.backend._target_.endswith("RecordedBackend") and trained.module.train_vocab_size == 8192
+    assert trained.target.name == "smollm2"
+    data = _compose("regenerate", [f"experiment={main.experiment}"])  # the main job's data stage
+    assert data.data.generation == trained.data.generation and data.batch_size == trained.regenerate.batch_size
 
 
 @pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "hinted_store",
@@ -222,23 +237,6 @@ def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
     assert list(report.baselines) == ["prompt_lookup", "ar_assistant", "corpus_lookup"]
     sweep = experiment.startswith("l2r_sweep")
     assert report.baseline == (None if sweep else "uniform") and report.get("name_by_dir", False) == sweep
-
-
-def test_the_ablations_regime_is_the_main_jobs():
-    """conf/main.yaml restates experiment=deep_frozen (the regime's data and suites, its own drafter and budget) as
-    its stages' overrides: they must agree."""
-    main = _compose("main")
-    trained = _compose("train", [*main.data_overrides, *main.train_overrides])
-    deep = _compose("train", ["experiment=deep_frozen"])
-    ablation = _compose("train", ["experiment=l2r_ablation"])
-    for key in ("data", "train.max_steps", "optimizer", "scheduler"):
-        assert _regime(trained)[key] == _regime(deep)[key], key
-    assert _regime(trained)["data"] == _regime(ablation)["data"]
-    assert OmegaConf.to_container(trained.drafter, resolve=True) == OmegaConf.to_container(deep.drafter, resolve=True)
-    assert trained.drafter.store_hints and trained.drafter.causal_anchor and trained.drafter.frozen_anchor
-    evaluated = _compose("evaluate", [o for o in main.evaluate_overrides if o.startswith("suite.")])
-    limits = {name: suite.limit for name, suite in evaluated.suite.items()}
-    assert limits == {name: suite.limit for name, suite in ablation.suite.items()}
 
 
 def test_the_deep_drafter_is_hinted_store_with_every_target_layer():

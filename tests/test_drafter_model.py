@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from drafters import BlockDiffusionDrafter, DrafterConfig, DraftingPolicy, PolicyDrafter
 from drafters.hints import HintStore
+from drafters.checks import target_weights_sha1
 from drafters.model import default_target_layer_ids
 from drafters.variants import REGISTRY
 from verify.generate import speculative_generate
@@ -127,7 +128,7 @@ def test_from_target_reads_sizes(arch):
     assert cfg.target_layer_ids == (1, 2)  # 1..L-1 of a 3-layer target
     assert cfg.mask_token_id == VOCAB - 1
     assert cfg.target_fingerprint == {"model_type": arch, "vocab_size": VOCAB, "hidden_size": 32,
-                                      "num_hidden_layers": 3}
+                                      "num_hidden_layers": 3, "weights_sha1": target_weights_sha1(target)}
     assert drafter.num_draft_tokens == 4 and drafter.vocab_size == VOCAB
 
 

@@ -78,7 +78,7 @@ def test_the_check_sees_an_entry_point_importing_another(tmp_path):
 def test_experiments_top_level_holds_only_entry_points():
     top = {p.stem for p in EXPERIMENTS.glob("*.py") if p.name != "__init__.py"}
     assert top == {"main", "regenerate", "train", "evaluate", "report", "export", "train_target",
-                   "target_quality", "train_assistant"}
+                   "target_quality", "train_assistant", "serve_check"}
     assert all(is_entry_point(EXPERIMENTS / f"{name}.py") for name in top)
     benches = {p.stem for p in (EXPERIMENTS / "bench").glob("*.py") if is_entry_point(p)}
     assert benches == {"draft_cost", "free_drafts", "hints", "interleave", "interleave_plot", "learning", "learning_plot", "lookup", "losses", "scale", "step", "suite_steps", "train",

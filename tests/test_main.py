@@ -7,51 +7,72 @@ from hydra import compose, initialize_config_module
 from experiments.pipeline import main_job
 
 
-def test_stages_evaluate_baselines_after_trained_drafters(tmp_path, monkeypatch):
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}", "target_choice=tiny"])
+def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
     calls = []
 
     def fake_stage(name, module, overrides, log):
         calls.append((name, module, overrides))
         log["stages"].append({"stage": name, "seconds": 0.0})
+        if module == "experiments.bench.choose_k":
+            (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}}')
         if module == "experiments.report":
             (tmp_path / "report").mkdir()
             (tmp_path / "report" / "report.md").write_text("table\n")
 
     monkeypatch.setattr(main_job, "stage", fake_stage)
     (tmp_path / "train" / "uniform").mkdir(parents=True)  # what the training stage records
-    (tmp_path / "train" / "uniform" / "train_summary.json").write_text('{"data_dir": "cache/regen/tiny/abc"}')
-    log = main_job.run_main_job(cfg)
+    (tmp_path / "train" / "uniform" / "train_summary.json").write_text('{"data_dir": "cache/regen/x/abc"}')
+    return calls, main_job.run_main_job(cfg)
+
+
+def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_path, monkeypatch):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}"])
+    calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
     names = [c[0] for c in calls]
-    assert names == ["regenerate", "train uniform", "evaluate uniform", "train l2r_all", "evaluate l2r_all",
-                     "evaluate prompt_lookup", "evaluate ar_assistant", "evaluate corpus_lookup", "report"]
+    drafters = ["uniform", "l2r_all", "prompt_lookup", "ar_assistant"]
+    assert names == ["data", "train uniform", "train l2r_all", "train ar_assistant", "choose K",
+                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in drafters), "report"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
-    evaluate_overrides = list(cfg.evaluate_overrides)
-    for baseline in ("prompt_lookup", "ar_assistant"):
-        args = by_name[f"evaluate {baseline}"]
-        assert f"drafter={baseline}" in args and not any(a.startswith("drafter.path=") for a in args)
-        assert args[-len(evaluate_overrides) - 1:-1] == evaluate_overrides
-        assert args[-1] == f"hydra.run.dir={tmp_path}/eval/{baseline}"
-    assert by_name["evaluate uniform"][1] == f"drafter.path={tmp_path}/train/uniform/drafter"
-    trained = [*evaluate_overrides, *cfg.trained_evaluate_overrides]
-    assert by_name["evaluate uniform"][-len(trained) - 1:-1] == trained  # the trained drafters' own settings
-    report_args = by_name["report"]
-    assert report_args[:5] == [str(tmp_path / "eval" / n) for n in ("uniform", "l2r_all", "prompt_lookup",
-                                                                   "ar_assistant", "corpus_lookup")]
-    corpus = by_name["evaluate corpus_lookup"]  # its store is the drafters' data folder
-    assert corpus[-len(evaluate_overrides) - 3:-len(evaluate_overrides) - 1] == [
-        "drafter=corpus_lookup", "drafter.data_dir=cache/regen/tiny/abc"]
+    assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2"
+    assert by_name["train ar_assistant"][:2] == ["--config-name", "train_assistant_smollm2"]
+    assert f"drafter.path={tmp_path}/assistant/export" in by_name["eval ar_assistant"]
+    assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
+    assert by_name["choose K"][-2:] == ["--assistant", f"{tmp_path}/assistant/export"]
+    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
+    assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
+    for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
+        for d in drafters:
+            args = by_name[f"{kind} {d}"]
+            assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
+            assert args[-len(overrides) - 1:-1] == list(overrides)
+    assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
+    report = by_name["report"]
+    assert report[:4] == [str(tmp_path / "eval" / d) for d in drafters]
+    assert report[4:9] == ["--speed", *(str(tmp_path / "speed" / d) for d in drafters)]
+
+
+def test_the_tiny_regimes_main_job_keeps_its_baselines_and_drafting_settings(tmp_path, monkeypatch):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main_tiny", overrides=[f"paths.run_dir={tmp_path}"])
+    calls, _ = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
+    by_name = {c[0]: c[2] for c in calls}
+    assert "train ar_assistant" not in by_name and not any(n.startswith("speed") for n in by_name)
+    assert by_name["eval ar_assistant"] == ["target=tiny", "drafter=ar_assistant", *cfg.evaluate_overrides,
+                                            f"hydra.run.dir={tmp_path}/eval/ar_assistant"]
+    trained = [*cfg.trained_evaluate_overrides, *cfg.evaluate_overrides]
+    assert by_name["eval uniform"][2:-1] == trained
+    assert by_name["eval corpus_lookup"][1:3] == ["drafter=corpus_lookup", "drafter.data_dir=cache/regen/x/abc"]
 
 
 def test_a_baseline_that_needs_the_data_folder_without_training_is_refused(tmp_path, monkeypatch):
     import pytest
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}", "target_choice=tiny", "losses=[]"])
+        cfg = compose("main_tiny", overrides=[f"paths.run_dir={tmp_path}", "losses=[]"])
     monkeypatch.setattr(main_job, "stage", lambda name, module, overrides, log: None)
-    with pytest.raises(ValueError, match=r"baseline_overrides.corpus_lookup needs the drafters' data folder"):
+    with pytest.raises(ValueError, match=r"baseline_overrides.corpus_lookup needs \{data_dir\}"):
         main_job.run_main_job(cfg)
 
 

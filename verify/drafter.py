@@ -43,7 +43,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from verify.hf import max_positions, new_kv_cache, output_vocab_size
+from verify.hf import cache_argument, max_positions, new_kv_cache, output_vocab_size
 from verify.rejection import sample_tokens, warp_probs
 
 
@@ -118,6 +118,7 @@ class AssistantDrafter:
         self.deterministic = deterministic
         self.vocab_size = output_vocab_size(model)
         self._max_position = max_positions(model)
+        self._cache_key = cache_argument(model)  # the keyword under which model.forward takes the cache
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
@@ -156,9 +157,9 @@ class AssistantDrafter:
             input_ids=input_ids,
             attention_mask=self._mask,
             position_ids=positions.clamp_min(0),
-            past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_key: self._cache},
         )
         return out.logits[:, -1]
 

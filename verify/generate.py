@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import verify.hf
 from verify.drafter import Drafter
-from verify.hf import max_positions, new_growing_kv_cache, output_vocab_size
+from verify.hf import cache_argument, max_positions, new_growing_kv_cache, output_vocab_size
 from verify.metrics import summarize
 from verify.rejection import verify_block, verify_greedy, warp_probs
 
@@ -128,17 +129,31 @@ class _NoClock:
 
 
 def _is_plain_head(head, logits: torch.Tensor, final: torch.Tensor) -> bool:
-    """Whether ``logits`` (B, V) are ``head(final)`` for final hidden states (B, H): no logit scaling or
-    soft-capping after the output embedding, so the verifier may apply the head itself."""
-    mine = head(final).float()
+    """Whether ``logits`` (B, V) are ``final @ head.weight.T`` for final hidden states (B, H): a head without
+    bias, and no logit scaling or soft-capping after it, so the verifier may apply the head's weight itself
+    (:func:`verify.hf.linear_logits`)."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or getattr(head, "bias", None) is not None or weight.ndim != 2:
+        return False
+    if weight.shape[1] != final.shape[-1]:
+        return False
+    mine = verify.hf.linear_logits(weight, final.to(weight.dtype)).float()
     ref = logits.float()
     if mine.shape != ref.shape:
         return False
     return bool(torch.allclose(mine, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max()))))
 
 
+def _head_logits(head, states: torch.Tensor) -> torch.Tensor:  # (b, L, H) -> (b, L, V)
+    """The logits of a plain head (see :func:`_is_plain_head`) over final hidden states, as one 2-D product."""
+    b, length, size = states.shape
+    return verify.hf.linear_logits(head.weight, states.reshape(b * length, size).to(head.weight.dtype)).view(
+        b, length, -1)
+
+
 def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, H) -> (B,), (B,)
-    """:func:`verify_greedy` with the LM head applied only where the result can depend on it.
+    """:func:`verify_greedy` with the LM head (its weight, :func:`verify.hf.linear_logits`) applied only where
+    the result can depend on it.
 
     A row that kept n drafts needs the target's argmax at block positions 0..n only. The head runs
     on positions [0, first) of every row, then, for the rows that accepted every draft so far, on
@@ -148,9 +163,8 @@ def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, 
     """
     batch, width = drafts.shape
 
-    def logits(states):  # (b, L, H) -> (b, L, V), the head on a contiguous 2-D copy (a faster matmul)
-        b, length, size = states.shape
-        return head(states.reshape(b * length, size)).view(b, length, -1)
+    def logits(states):  # (b, L, H) -> (b, L, V)
+        return _head_logits(head, states)
 
     num_accepted = drafts.new_zeros(batch)
     next_token = drafts.new_zeros(batch)
@@ -177,9 +191,11 @@ def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, 
 class _TargetPass:
     """The target's forward over new columns against its KV cache, returning what the loop needs.
 
-    ``lazy``: the greedy verifier applies the LM head itself, lazily, where the target's logits are
-    plain head(final hidden state) (checked on the prefill's logits, see :func:`_prefill`); the
-    forward then computes no logits and returns the final hidden states instead.
+    ``lazy``: the verifier applies the LM head's weight itself where the target's logits are plain
+    head(final hidden state) (checked on the prefill's logits, see :func:`_prefill`): lazily at temperature 0,
+    over every column when sampling; the forward then computes no logits and returns the final hidden
+    states instead. The cache is passed under the keyword the target's forward names
+    (:func:`verify.hf.cache_argument`).
     """
 
     def __init__(self, target, drafter, reserve: int, lazy: bool, device: torch.device):
@@ -190,6 +206,7 @@ class _TargetPass:
         self.lazy = lazy and self.head is not None
         self.no_logits = torch.zeros(0, dtype=torch.long, device=device)  # logits_to_keep: none
         self.cache = new_growing_kv_cache(target, reserve)
+        self.cache_key = cache_argument(target)
 
     def __call__(self, ids, mask, positions, **kwargs):  # (B, n), (B, C + n), (B, n)
         """``(logits, hidden (the drafter's layers) or None, final hidden states or None)``."""
@@ -199,9 +216,9 @@ class _TargetPass:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=bool(self.layer_ids) or self.lazy,
+            **{self.cache_key: self.cache},
             **kwargs,
         )
         hidden = tuple(out.hidden_states[i] for i in self.layer_ids) if self.layer_ids else None
@@ -302,7 +319,9 @@ def _verify(run: _TargetPass, live: _Live, drafts, q, slots, temperature, top_k,
     else:
         logits, live.hidden, _ = run(block, block_mask, positions)
     clock.lap("target_forward")
-    if run.lazy:
+    if run.lazy and temperature != 0:
+        logits = _head_logits(run.head, final)  # (B, W + 1, V)
+    if run.lazy and temperature == 0:
         first = min(width + 1, 2 + math.ceil(live.accepted_mean))
         num_accepted, next_token = _verify_greedy_lazy(drafts, final, run.head, first)  # (B,), (B,)
     elif temperature == 0:  # same result as verify_block on one-hot p, without sampling
@@ -386,14 +405,14 @@ def _decode(
     clock=None, lazy_head: bool | None = None,
 ) -> _Decoded:
     """The decoding loop: prefill, then draft, verify, emit, drop finished rows, advance (see the
-    module docstring). ``lazy_head`` (default: on CPU) lets the greedy verifier apply the LM head."""
+    module docstring). ``lazy_head`` (default: on CPU) lets the verifier apply the LM head."""
     start = time.perf_counter()
     clock = clock if clock is not None else _NoClock()
     clock.start()
     batch_size, prompt_len = input_ids.shape
     num_drafts = drafter.num_draft_tokens if drafter is not None else 0
     lazy = input_ids.device.type == "cpu" if lazy_head is None else bool(lazy_head)
-    lazy = lazy and temperature == 0 and drafter is not None and prompt_len > 1
+    lazy = lazy and drafter is not None and prompt_len > 1
     run = _TargetPass(target, drafter, max_new_tokens + num_drafts + 1, lazy, input_ids.device)
     live = _prefill(run, drafter, input_ids, attention_mask, max_new_tokens)
     clock.lap("prefill")

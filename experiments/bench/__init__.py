@@ -5,7 +5,8 @@ at a real model's shape, random weights), ``step`` (one speculative step vs one 
 accepted drafts come from), ``interleave`` (evaluation settings A/B, in one process; ``interleave_plot``: τ against speedup), ``free_drafts`` (the
 speedup of a drafter's own drafts replayed at no drafting cost), ``draft_cost`` (one draft against the target's
 forwards), ``train`` (training step throughput),
-``verify`` (the verifier vs transformers' assisted generation)."""
+``verify`` (the verifier vs transformers' assisted generation), ``step_parts`` (a batch-1 speculative step at
+SmolLM2's size against its parts run alone, before and after a revision)."""
 
 from __future__ import annotations
 

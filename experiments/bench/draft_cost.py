@@ -26,7 +26,7 @@ from drafters.policy import DraftingPolicy, PolicyDrafter
 from experiments.bench import evaluation_config, with_defaults, write_record
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter
-from verify.hf import new_growing_kv_cache
+from verify.hf import cache_argument, new_growing_kv_cache
 
 SKIP = 3  # first rounds left out of the medians
 
@@ -39,8 +39,8 @@ def _prefill(target, drafter, batch: int, context: int, seed: int = 0):
     mask = torch.ones_like(ids[:, :-1])
     positions = torch.arange(context - 1, device=ids.device).expand(batch, -1)
     cache = new_growing_kv_cache(target, 64)
-    out = target(input_ids=ids[:, :-1], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                 use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    out = target(input_ids=ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
+                 output_hidden_states=True, logits_to_keep=1, **{cache_argument(target): cache})
     drafter.reset(batch)
     drafter.bind_target_cache(cache)
     drafter.extend(ids[:, :-1], mask, positions, [out.hidden_states[i] for i in drafter.target_layer_ids])
@@ -64,8 +64,8 @@ def measure(target, drafter, *, batch: int, context: int, widths, target_widths,
         def forward(n):
             ids = torch.randint(3, vocab, (batch, n), device=anchor.device)
             target(input_ids=ids, attention_mask=torch.ones(batch, columns + n, dtype=torch.long, device=ids.device),
-                   position_ids=anchor_pos[:, None] + torch.arange(n, device=ids.device), past_key_values=cache,
-                   use_cache=True, logits_to_keep=n)
+                   position_ids=anchor_pos[:, None] + torch.arange(n, device=ids.device), use_cache=True,
+                   logits_to_keep=n, **{cache_argument(target): cache})
             cache.crop(-n)  # back to the prefilled columns
 
         cases = {f"draft W'={w}" if w else "draft whole block": (draft, w) for w in widths}

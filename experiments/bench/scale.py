@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from experiments.bench import peak_rss_mb, reset_peak_rss
+from verify.hf import cache_argument
 
 # Real sizes (the models' config.json), random weights.
 _QWEN3 = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -133,7 +134,8 @@ def bench_prefill(target, drafter, batch, device: str):
     report = {"tokens": tokens, "seconds": round(m.seconds, 3), "cpu_seconds": round(m.cpu_seconds, 3),
               "tokens_per_s": round(tokens / m.seconds, 2),
               "peak_mb": m.peak_mb}
-    return report, out.past_key_values, layers, features
+    cache = next(v for k, v in out.items() if k in ("cache", "past_key_values"))  # the new name, else the old one
+    return report, cache, layers, features
 
 
 def _module(target, drafter, args):
@@ -198,7 +200,8 @@ def bench_verification(target, drafter, cache, layers, batch, args) -> dict:
 
     def step(tokens):
         pos = torch.arange(length, length + tokens.shape[1], device=ids.device).unsqueeze(0)
-        target(input_ids=tokens, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
+        target(input_ids=tokens, position_ids=pos, use_cache=True, logits_to_keep=tokens.shape[1],
+               **{cache_argument(target): cache})
         cache.crop(-tokens.shape[1])  # back to `length` columns (transformers 5: a negative count)
 
     positions = torch.arange(length, device=ids.device).unsqueeze(0)

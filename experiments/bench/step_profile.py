@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 
 import verify.generate
+import verify.hf
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_ONLY = "target"
@@ -89,7 +90,7 @@ class StepClock:
 @contextlib.contextmanager
 def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
     """Time the drafter's layers (``drafter.block_states``) and the target's LM head (which the drafter
-    shares) as sub-parts."""
+    shares; its forward, and its weight applied by :func:`verify.hf.linear_logits`) as sub-parts."""
     patched: list[tuple[object, str]] = []
 
     def wrap(owner, attr: str, name: str) -> None:
@@ -103,20 +104,24 @@ def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
             clock.add(name, time.perf_counter() - start, time.process_time() - start_cpu)
             return out
 
+        patched.append((owner, attr, owner.__dict__.get(attr)))
         object.__setattr__(owner, attr, timed)  # an instance attribute shadows the method
-        patched.append((owner, attr))
 
     head = target.get_output_embeddings()
     if head is not None:
         wrap(head, "forward", "lm_head")
+    wrap(verify.hf, "linear_logits", "lm_head")  # the head's weight applied by the verifier or a drafter
     drafter = getattr(drafter, "drafter", drafter)  # a PolicyDrafter's block drafter
     if drafter is not None and hasattr(drafter, "block_states"):
         wrap(drafter, "block_states", "draft_states")
     try:
         yield
     finally:
-        for owner, attr in patched:
-            object.__delattr__(owner, attr)
+        for owner, attr, old in reversed(patched):
+            if old is None:
+                object.__delattr__(owner, attr)
+            else:
+                object.__setattr__(owner, attr, old)
 
 
 def device_sync(device: torch.device) -> Callable[[], None] | None:

@@ -41,6 +41,7 @@ from drafters.blocks import select_blocks
 from drafters.module import DrafterLightningModule
 from drafters.optim import warmup_cosine
 from drafters.tau import anchor_acceptance
+from drafters.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
 
@@ -87,6 +88,12 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     optimizer = module.configure_optimizers()["optimizer"]
     if cached:
         batch = with_cached_features(batch, target, drafter.target_layer_ids)
+    vocab = None
+    if args.train_vocab_size:  # the most frequent ids stand in for a candidate vocabulary (timing only)
+        vocab_ids = torch.arange(min(args.train_vocab_size, drafter.vocab_size), device=args.device)
+        vocab = TrainVocab.build(vocab_ids, drafter.vocab_size, args.train_vocab_negatives)
+        batch = {**batch, "input_ids": batch["input_ids"] % len(vocab_ids)}
+    autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     blocks = tokens = 0
     target_s = wall = cpu = 0.0
@@ -99,9 +106,11 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
         states, target_logits = module.context_states(batch, full_logits=loss.soft)
         sync()
         t1 = time.perf_counter()
-        logits, labels, mask, probs = select_blocks(drafter, batch, states, target_logits, args.num_anchors,
-                                                    torch.Generator().manual_seed(step), soft=loss.soft)
-        value, _ = loss(logits, labels, mask, probs)
+        with autocast:
+            logits, labels, mask, probs = select_blocks(drafter, batch, states, target_logits, args.num_anchors,
+                                                        torch.Generator().manual_seed(step), soft=loss.soft,
+                                                        vocab=vocab)
+        value, _ = loss(logits.float(), labels, mask, probs)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()
@@ -114,6 +123,7 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
             tokens += int(mask.sum())
     result = {
         "loss": name, "soft": bool(loss.soft), "features": "cached" if cached and not loss.soft else "on_the_fly",
+        "train_vocab_size": args.train_vocab_size, "bf16": args.bf16, "num_anchors": args.num_anchors,
         "blocks_per_s": blocks / wall, "tokens_per_s": tokens / wall,
         "s_per_step": wall / args.steps, "cpu_s_per_step": cpu / args.steps,
         "target_forward_share": target_s / wall, "blocks_per_step": blocks / args.steps,
@@ -152,6 +162,10 @@ def main() -> None:
     p.add_argument("--features", choices=["both", "cached", "on_the_fly"], default="both",
                    help="context from cached target features, a target forward per step, or both (one run)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--train-vocab-size", type=int, default=None,
+                   help="training logits over this many ids only (module.train_vocab_size; drafters/vocab.py)")
+    p.add_argument("--train-vocab-negatives", type=int, default=0, help="other ids scored per step (sampled softmax)")
+    p.add_argument("--bf16", action="store_true", help="the drafter's forward under bfloat16 autocast")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="runs/bench_train.json")

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from drafters.checks import check_target_config
 from drafters.locks import check_safetensors, read_json
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -83,6 +84,17 @@ def load_target(path: str, dtype: str = "float32", device: str = "cpu", trust_re
 
     Returns ``(model, tokenizer)`` with the model in eval mode and every parameter frozen.
     """
+    model, where = load_target_model(path, dtype, device, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_target_model(path: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
+    """``(model, where)``: the frozen causal LM of :func:`load_target` without its tokenizer, and the folder or
+    hub name it was read from. A local folder's files are checked first: a damaged file or a wrongly typed field
+    of config.json is named."""
     local = Path(os.path.expanduser(str(path)))
     looks_local = local.is_absolute() or str(path).startswith((".", "~")) or local.exists()
     if looks_local and not (local / "config.json").is_file():
@@ -91,18 +103,14 @@ def load_target(path: str, dtype: str = "float32", device: str = "cpu", trust_re
             hint = " (the embedded target is trained by `python -m experiments.train_target target=tiny`)"
         raise FileNotFoundError(f"target.path={path}: no Hugging Face model (config.json) there{hint}")
     if looks_local:  # a damaged file is named before transformers reads it
-        read_json(local / "config.json", "target config")
+        check_target_config(read_json(local / "config.json", "target config"), local / "config.json")
         for weights in sorted(local.glob("*.safetensors")):
             check_safetensors(weights)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(
-        str(local if looks_local else path), dtype=torch_dtype, trust_remote_code=trust_remote_code
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(local if looks_local else path))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    where = str(local if looks_local else path)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     model.to(device).eval().requires_grad_(False)
-    return model, tokenizer
+    return model, where
 
 
 def eos_token_ids(target, tokenizer) -> list[int]:

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import conf
+from drafters.checks import TargetMismatchError
 from drafters.data import load_regenerated
 from drafters.hints import HintStore
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
@@ -68,7 +69,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                   follow_hint_after: int | None = None, follow_hint_min_ngram: int = 1,
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
                   hint_data_dir: str | None = None, share_target_cache: bool = True,
-                  own_draft_tokens: int | None = None, min_drafting_rows: int | None = None) -> EvalDrafter:
+                  own_draft_tokens: int | None = None, min_drafting_rows: int | None = None,
+                  allow_other_target: bool = False) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target`` and
     drafting under the decoding policy of the other arguments (:class:`drafters.policy.DraftingPolicy`, which
     documents and checks them; all exact).
@@ -78,8 +80,9 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     ``passes``; 0 drops the variant; None = as trained). ``hint_data_dir``: drafters with the ``store_hints``
     variant read their hints from every answer of this regenerated data folder instead of the store saved
     with them (None = the saved store).
+    ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
     """
-    directory, drafter = _load_block_drafter(target, path)
+    directory, drafter = _load_block_drafter(target, path, allow_other_target)
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
@@ -98,7 +101,8 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
                 "max_draft_tokens": max_draft_tokens, "own_draft_tokens": own_draft_tokens, "hint_data_dir": hint_data_dir,
-                "min_drafting_rows": min_drafting_rows, "share_target_cache": None if share_target_cache else False,
+                "min_drafting_rows": min_drafting_rows, "allow_other_target": True if allow_other_target else None,
+                "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(store.rows) if store is not None else None}
     config = (drafter.config.to_dict() | flat_settings(drafter.variants)
               | {k: v for k, v in settings.items() if v is not None})
@@ -114,13 +118,13 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     })
 
 
-def _load_block_drafter(target, path: str) -> tuple[Path, BlockDiffusionDrafter]:
+def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> tuple[Path, BlockDiffusionDrafter]:
     """``(directory, drafter)``: the saved drafter at ``path`` attached to ``target``, on its device and dtype."""
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
-        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target)
-    except DamagedFileError:
-        raise  # names the damaged file: not a mismatch with the target
+        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target, allow_other_target=allow_other_target)
+    except (DamagedFileError, TargetMismatchError):
+        raise  # names the damaged file, or both targets' signatures
     except ValueError as e:
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())

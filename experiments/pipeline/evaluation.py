@@ -55,6 +55,7 @@ from experiments.pipeline.records import (
     suite_digests,
     temperature_key,
 )
+from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.settings import DecodingSettings
 from verify.generate import speculative_generate, target_generate
 from verify.hf import max_positions
@@ -357,8 +358,11 @@ def run_evaluation(cfg: DictConfig) -> dict:
     The folder of ``results.json`` (the run dir) is owned by one process at a time
     (:mod:`drafters.locks`, as a training run dir): a second evaluation into it refuses, naming the owner.
     """
-    with locks.hold(Path(cfg.results_path).expanduser().parent, "run folder"):
-        return _run_evaluation(cfg)
+    try:
+        with locks.hold(Path(cfg.results_path).expanduser().parent, "run folder"):
+            return _run_evaluation(cfg)
+    finally:
+        discard_hydra_records()  # refused before owning the run dir: its .hydra/ stays the owner's
 
 
 def _run_evaluation(cfg: DictConfig) -> dict:
@@ -383,6 +387,9 @@ def _run_evaluation(cfg: DictConfig) -> dict:
     results_path = Path(cfg.results_path)
     if results_path.is_file():
         _resume(doc, results_path, bool(cfg.get("redo_if_changed", False)))
+    run_dir = Path(OmegaConf.select(cfg, "paths.run_dir", default=None) or results_path.parent)
+    commit_hydra_records(run_dir)  # checked: this job's .hydra/ replaces the folder's, its log joins
+    commit_job_log(run_dir)
     logger = hydra.utils.instantiate(cfg.logger)
     for suite, entries in doc["results"].items():  # a restarted CSV logger starts a fresh file: log them again
         for key, entry in entries.items():

@@ -3,8 +3,13 @@
 Writes the DFlash format (:func:`drafters.dflash.export_dflash`: ``config.json`` + ``model.safetensors``,
 loadable by vLLM, SGLang and the ``dflash`` package) and a model card ``README.md``. The card's
 target, training data, loss and τ per suite come from the training run the drafter was saved in
-(``<run dir>/drafter``): ``.hydra/config.yaml``, ``.hydra/hydra.yaml``, ``train_summary.json`` and,
+(``<run dir>/drafter``): ``run_settings.json`` (the settings and group choices the training used, written by
+the job that trained), else ``.hydra/config.yaml`` and ``.hydra/hydra.yaml``, then ``train_summary.json`` and,
 when the run was evaluated, ``results.json``; items it cannot find read "unknown".
+
+The target the card names, when it is a local model folder, is loaded and compared with the weights signature
+the drafter recorded (:func:`drafters.checks.check_target_weights`): another target is refused unless
+``drafter.allow_other_target=true``.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from drafters.checks import check_target_weights
 from drafters.dflash import export_dflash, model_card
 from drafters.model import BlockDiffusionDrafter
+from experiments.data.target import load_target_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -81,10 +88,28 @@ def _tau_table(results: dict) -> dict[str, dict[str, float]]:
     return table
 
 
+def _trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
+    """``(settings, choices)`` the training of ``run_dir`` used, from its ``run_settings.json`` (flat dotted keys,
+    nested again); ``(None, {})`` when it has none or it cannot be read."""
+    try:
+        saved = json.loads((run_dir / "run_settings.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None, {}
+    nested: dict = {}
+    for key, value in (saved.get("settings") or {}).items():
+        *parents, leaf = str(key).split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return OmegaConf.create(nested), dict(saved.get("choices") or {})
+
+
 def describe_run(drafter_dir: str | Path) -> dict[str, Any]:
     """What the model card says about the training run holding ``drafter_dir`` (missing items: None)."""
     run_dir = Path(drafter_dir).expanduser().resolve().parent
-    cfg = _load_yaml(run_dir / ".hydra" / "config.yaml")
+    trained, choices = _trained_settings(run_dir)
+    cfg = trained if trained is not None else _load_yaml(run_dir / ".hydra" / "config.yaml")
     hydra_cfg = _load_yaml(run_dir / ".hydra" / "hydra.yaml")
     summary, results = {}, {}
     for name, holder in (("train_summary.json", summary), ("results.json", results)):
@@ -100,7 +125,7 @@ def describe_run(drafter_dir: str | Path) -> dict[str, Any]:
         "target": target_path or target_name,
         "target_name": target_name,
         "data": _data_text(cfg, summary),
-        "loss": _loss_text(_select(hydra_cfg, "hydra.runtime.choices.loss"), _select(cfg, "loss")),
+        "loss": _loss_text(choices.get("loss") or _select(hydra_cfg, "hydra.runtime.choices.loss"), _select(cfg, "loss")),
         "tau": _tau_table(results) or None,
         "max_position_embeddings": _target_positions(target_path),
     }
@@ -117,6 +142,19 @@ def _target_positions(target_path: str | None) -> int | None:
     return int(value) if value else None
 
 
+def check_card_target(drafter: BlockDiffusionDrafter, drafter_dir: Path, target: str | None, allow: bool) -> None:
+    """Refuse to name ``target`` as ``drafter``'s in the card when its weights are not those the drafter was trained
+    for (``allow``: ``drafter.allow_other_target``); a target that is not a local model folder is not checked."""
+    if not target or not (Path(str(target)).expanduser() / "config.json").is_file():
+        print(f"[export] target {target or 'unknown'} is not a local model folder: its weights are not checked "
+              "against the drafter's record", flush=True)
+        return
+    model, _ = load_target_model(str(target), "bfloat16")  # the signature rounds to bfloat16 anyway
+    drafter.attach_target(model)  # another architecture or vocabulary: refused
+    check_target_weights(drafter.config.target_fingerprint, model, drafter_dir, allow)
+    object.__setattr__(drafter, "_target", None)
+
+
 def export_for_serving(cfg: DictConfig) -> Path:
     """Export ``cfg.drafter.path`` to ``cfg.out`` (``conf/export.yaml``); returns the output directory."""
     drafter_dir = Path(str(cfg.drafter.path)).expanduser()
@@ -129,6 +167,7 @@ def export_for_serving(cfg: DictConfig) -> Path:
     info = describe_run(drafter_dir)
     out = Path(str(cfg.out)).expanduser()
     target = cfg.target or info["target"]
+    check_card_target(drafter, drafter_dir, target, bool(cfg.drafter.get("allow_other_target", False)))
     notes = f"Exported by blockdraft from `{drafter_dir.resolve()}` (training run `{info['run_dir']}`)."
     card = model_card(drafter, out.resolve(), target=target, data=info["data"], loss=info["loss"], tau=info["tau"],
                       notes=notes)

@@ -1,14 +1,14 @@
 """The main job (``python -m experiments.main``, the README's first command): every stage in turn.
 
-On the embedded default (tiny target, local suites) it runs the whole pipeline end to end:
+By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-135M-Instruct as the target:
 
-1. ``experiments.regenerate`` — the target answers the training prompts (cached across runs);
-2. ``experiments.train`` — one drafter per loss in ``losses`` (default: the uniform baseline and
-   the all-three composite ``l2r_all``), same data, budget and seed;
-3. ``experiments.evaluate`` — each drafter on every suite at T=0 and T=1 through the exact verifier,
-   then the untrained baselines in ``baselines`` (default ``prompt_lookup`` and the shipped
-   ``ar_assistant``, ``drafter=<name>``) with the same settings;
-4. ``experiments.report`` — the Markdown table and the plots (the baselines are the last rows).
+1. ``experiments.regenerate experiment=<experiment>`` — the drafters' data (for SmolLM2: the recorded answers,
+   installed after a regenerated batch matched them token for token);
+2. ``experiments.train`` — one drafter per loss in ``losses`` (the uniform baseline and ``l2r_all``), same data,
+   budget and seed; then ``experiments.train_assistant`` — the ``ar_assistant`` baseline on the same answers;
+3. ``experiments.evaluate`` — every drafter and baseline on the suites at T=0 and T=1 (``evaluate_overrides``,
+   batch 8), then again at batch 1, T=0, against the target alone (``speed_overrides``);
+4. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots.
 
 Each stage runs as its own entry point (a subprocess, its own Hydra run dir under this job's run
 dir), so every stage can also be rerun by hand with the command printed here. Stages that already
@@ -63,47 +63,88 @@ def trained_data_dir(run_dir: Path, losses) -> str | None:
     return None
 
 
-def baseline_overrides(overrides, baseline: str, data_dir: str | None) -> list[str]:
-    """``baseline_overrides.<baseline>`` with ``{data_dir}`` filled in; a clear error where it is unknown."""
-    if data_dir is None and any("{data_dir}" in o for o in overrides):
-        raise ValueError(f"baseline_overrides.{baseline} needs the drafters' data folder ({{data_dir}}), known from a "
-                         f"trained loss's train_summary.json: train at least one loss, or drop {baseline} from baselines")
-    return [o.replace("{data_dir}", str(data_dir)) for o in overrides]
+def baseline_overrides(overrides, baseline: str, fill: dict[str, str | None]) -> list[str]:
+    """``baseline_overrides.<baseline>`` with ``{data_dir}`` / ``{assistant_dir}`` filled in; a clear error where
+    one is unknown."""
+    out = []
+    for o in overrides:
+        for key, value in fill.items():
+            if "{" + key + "}" in o:
+                if value is None:
+                    raise ValueError(f"baseline_overrides.{baseline} needs {{{key}}}, which this job did not make "
+                                     f"({_MADE_BY[key]}), or drop {baseline} from baselines")
+                o = o.replace("{" + key + "}", str(value))
+        out.append(o)
+    return out
+
+
+_MADE_BY = {"data_dir": "the drafters' data folder, known from a trained loss's train_summary.json: train at "
+                        "least one loss",
+            "assistant_dir": "the assistant of `assistant:`; set assistant.config_name"}
+
+
+def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict) -> dict[str, list[str]]:
+    """Data, one drafter per loss, the assistant; returns each trained drafter's evaluation arguments."""
+    stage("data", "experiments.regenerate", [*science, *cfg.data_overrides, f"hydra.run.dir={run_dir}/data"], log)
+    drafters = {}
+    for loss in cfg.losses:
+        train_dir = run_dir / "train" / loss
+        stage(f"train {loss}", "experiments.train", [*science, f"loss={loss}", f"seed={cfg.seed}",
+                                                     *cfg.train_overrides, f"hydra.run.dir={train_dir}"], log)
+        drafters[loss] = [f"drafter.path={train_dir}/drafter", *cfg.trained_evaluate_overrides]
+    if cfg.get("assistant") and "ar_assistant" in cfg.baselines:
+        stage("train ar_assistant", "experiments.train_assistant",
+              ["--config-name", cfg.assistant.config_name, *cfg.common_overrides, *cfg.assistant.overrides,
+               f"hydra.run.dir={run_dir}/assistant"], log)
+    return drafters
+
+
+def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str, int]:
+    """With ``choose_k``: each of prompt_lookup and ar_assistant's best K on the held-out training answers
+    (``experiments.bench.choose_k``, ``<run dir>/choose_k.json``); ``{}`` without."""
+    wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
+    if not cfg.get("choose_k") or not wanted:
+        return {}
+    if fill["data_dir"] is None:
+        raise ValueError(f"choose_k needs {_MADE_BY['data_dir']}")
+    out = run_dir / "choose_k.json"
+    args = ["--data-dir", fill["data_dir"], "--target", str(cfg.choose_k.target_path), "--out", str(out),
+            "--ks", *map(str, cfg.choose_k.ks)]
+    if "ar_assistant" in wanted and fill["assistant_dir"] is not None:
+        args += ["--assistant", fill["assistant_dir"]]
+    if not out.is_file():  # a resumed job keeps the K it chose
+        stage("choose K", "experiments.bench.choose_k", args, log)
+    chosen = json.loads(out.read_text())
+    return {b: int(chosen[b]["chosen_k"]) for b in wanted if b in chosen}
 
 
 def run_main_job(cfg: DictConfig) -> dict:
-    """Regenerate, train and evaluate each loss, evaluate the baselines, report (``conf/main.yaml``);
+    """Data, training, the assistant, τ and speed evaluations of every drafter, the report (``conf/main.yaml``);
     returns the stage log written to ``<run dir>/main_summary.json``."""
     run_dir = Path(cfg.paths.run_dir).resolve()
-    common = [f"target={cfg.target_choice}", *cfg.common_overrides]
-    if cfg.target_choice != "tiny":
-        common.append(f"target.path={cfg.target.path}")
+    science = [f"experiment={cfg.experiment}", *cfg.common_overrides]
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
     t0 = time.time()
-
-    data = list(cfg.data_overrides)  # the regenerated data, shared by regenerate and train
-    stage("regenerate", "experiments.regenerate", [*common, *data, *cfg.regenerate_overrides,
-                                                    f"hydra.run.dir={run_dir}/regenerate"], log)
-    eval_dirs = []
-    for loss in cfg.losses:
-        train_dir = run_dir / "train" / loss
-        stage(f"train {loss}", "experiments.train", [*common, *data, f"loss={loss}", f"seed={cfg.seed}",
-                                                     *cfg.train_overrides, f"hydra.run.dir={train_dir}"], log)
-        eval_dir = run_dir / "eval" / loss
-        stage(f"evaluate {loss}", "experiments.evaluate", [*common, f"drafter.path={train_dir}/drafter",
-                                                           *cfg.evaluate_overrides, *cfg.trained_evaluate_overrides,
-                                                           f"hydra.run.dir={eval_dir}"], log)
-        eval_dirs.append(eval_dir)
-    data_dir = trained_data_dir(run_dir, cfg.losses)
+    drafters = _train_stages(cfg, run_dir, science, log)
+    fill = {"data_dir": trained_data_dir(run_dir, cfg.losses),
+            "assistant_dir": str(run_dir / "assistant" / "export") if cfg.get("assistant") else None}
+    chosen = _choose_k(cfg, run_dir, fill, log)
     for baseline in cfg.baselines:
-        eval_dir = run_dir / "eval" / baseline
-        extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, data_dir)
-        stage(f"evaluate {baseline}", "experiments.evaluate", [*common, f"drafter={baseline}", *extra,
-                                                               *cfg.evaluate_overrides, f"hydra.run.dir={eval_dir}"], log)
-        eval_dirs.append(eval_dir)
+        extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
+        k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
+        drafters[baseline] = [f"drafter={baseline}", *extra, *k]
+    evaluate = [f"target={cfg.target}", *cfg.common_overrides]
+    kinds = {"eval": list(cfg.evaluate_overrides)}
+    if cfg.get("speed_overrides") is not None:
+        kinds["speed"] = list(cfg.speed_overrides)
+    for kind, overrides in kinds.items():
+        for name, args in drafters.items():
+            stage(f"{kind} {name}", "experiments.evaluate",
+                  [*evaluate, *args, *overrides, f"hydra.run.dir={run_dir / kind / name}"], log)
     report_dir = run_dir / "report"
-    stage("report", "experiments.report", [*map(str, eval_dirs), "--out", str(report_dir)], log)
-
+    speed = ["--speed", *(str(run_dir / "speed" / n) for n in drafters)] if "speed" in kinds else []
+    stage("report", "experiments.report", [*(str(run_dir / "eval" / n) for n in drafters), *speed,
+                                           "--out", str(report_dir)], log)
     log["total_seconds"] = round(time.time() - t0, 1)
     (run_dir / "main_summary.json").write_text(portable_summary(log, run_dir))
     print("\n" + (report_dir / "report.md").read_text(), flush=True)
@@ -112,4 +153,3 @@ def run_main_job(cfg: DictConfig) -> dict:
         print(f"  {s['stage']:<24s} {s['seconds'] / 60:6.1f} min")
     print(f"  {'total':<24s} {log['total_seconds'] / 60:6.1f} min   (plots and tables in {report_dir})")
     return log
-

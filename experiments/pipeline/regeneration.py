@@ -66,7 +66,13 @@ def regenerate(cfg: DictConfig) -> Path:
     settings waits for the first, then finds its shards finished.
     """
     with locks.hold(Path(cfg.data.data_dir).expanduser(), "data folder", wait=True):
-        return _regenerate(cfg)
+        data_dir = _regenerate(cfg)
+    if cfg.get("export_answers"):
+        from experiments.pipeline.recorded_answers import export_answers
+
+        export_answers(data_dir, cfg.export_answers, cfg.target.path,
+                       OmegaConf.to_container(cfg.data.generation, resolve=True), cfg.batch_size)
+    return data_dir
 
 
 def _training_prompts(gen) -> list[tuple[str, str, list[dict]]]:

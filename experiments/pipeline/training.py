@@ -45,9 +45,11 @@ from drafters.features import features_dir as features_folder
 from drafters.hints import HintStore
 from drafters.model import target_fingerprint
 from drafters.variants import read_saved_config
+from drafters.vocab import coverage, frequent_tokens
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
+from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
 
 
@@ -86,6 +88,21 @@ def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
     drafter.hint_store = HintStore.from_data(train_set.data, store.num_folds, train_set.indices)
 
 
+def set_train_vocab(module, datamodule, cfg: DictConfig) -> None:
+    """With ``module.train_vocab_size``: the candidate vocabulary of the training loss, the most frequent
+    response tokens of the training rows plus the target's EOS ids (:mod:`drafters.vocab`)."""
+    size = cfg.module.get("train_vocab_size")
+    if not size:
+        return
+    rows = datamodule.train_set
+    responses = [rows.data[i]["input_ids"][rows.data[i]["prompt_len"]:] for i in rows.indices]
+    eos = [i for i in [getattr(module.target.config, "eos_token_id", None)] if isinstance(i, int)]
+    vocab_ids = frequent_tokens(responses, size, module.drafter.vocab_size, always=eos)
+    module.set_train_vocab(vocab_ids)
+    print(f"[train] candidate vocabulary: {len(vocab_ids)} ids cover "
+          f"{coverage(responses, vocab_ids, module.drafter.vocab_size):.4f} of the training response tokens", flush=True)
+
+
 def build(cfg: DictConfig):
     """``(target, tokenizer, module, datamodule)`` from a composed config."""
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, "cpu", cfg.target.trust_remote_code)
@@ -121,7 +138,8 @@ RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "sche
                "train.gradient_clip_val", "train.accumulate_grad_batches")
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
                "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
-               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing")
+               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
+               "drafter.allow_other_target")
 FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
@@ -180,8 +198,11 @@ def train(cfg: DictConfig) -> dict:
     check_train_numbers(cfg)
     if not _rank_zero():  # DDP workers: rank 0 owns the run dir
         return _train(cfg, run_dir)
-    with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
-        return _train(cfg, run_dir)
+    try:
+        with locks.hold(run_dir, "run folder"):  # a second job of the same name refuses, naming the owner
+            return _train(cfg, run_dir)
+    finally:
+        discard_hydra_records()  # refused before owning the run dir: its .hydra/ stays the owner's
 
 
 def _rank_zero() -> bool:
@@ -256,7 +277,10 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     _, _, module, datamodule = build(cfg)
     datamodule.setup("fit")  # fails early on an empty or missing dataset
     attach_hint_store(module.drafter, datamodule.train_set)
+    set_train_vocab(module, datamodule, cfg)
+    commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
     if _rank_zero():
+        commit_hydra_records(run_dir)
         locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:

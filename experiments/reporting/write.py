@@ -17,6 +17,7 @@ from experiments.reporting.plots import (
     plot_training_curves,
 )
 from experiments.reporting.runs import CURVE_METRIC, Run, training_curve
+from experiments.reporting.speed import plot_speed, speed_lines, speed_table
 from experiments.reporting.stats import build_report, mean_curves, seed_view
 from experiments.reporting.tables import render_markdown
 
@@ -62,8 +63,9 @@ def make_paths_portable(report: dict) -> Path | None:
     return base
 
 def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "uniform",
-                 num_bootstrap: int = 1000, seed: int = 0) -> dict:
-    """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``)."""
+                 num_bootstrap: int = 1000, seed: int = 0, speed_runs: Sequence[Run] = ()) -> dict:
+    """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``).
+    ``speed_runs``: evaluations at batch 1 whose speeds make the report's speed section (:mod:`.speed`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
@@ -87,7 +89,12 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
                                           out / "training_curves.png", f"Training: {CURVE_METRIC}, mean over seeds"))
     elif curves:
         plots.append(plot_training_curves(curves, out / "training_curves.png"))
-    (out / "report.md").write_text(render_markdown(report, plots))
+    markdown = render_markdown(report, plots)
+    if speed_runs:
+        report["speed"] = speed_table(speed_runs)
+        plots.append(plot_speed(report["speed"], out / "speed.png"))
+        markdown += "\n".join([*speed_lines(report["speed"]), "", "![speed](speed.png)"]) + "\n"
+    (out / "report.md").write_text(markdown)
     report["files"] = [portable_path(f, base, out.parent) for f in (out / "report.md", out / "report.json", *plots)]
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

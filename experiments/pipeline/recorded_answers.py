@@ -1,0 +1,138 @@
+"""Recorded target answers: regeneration shipped as a small asset, checked on a sample.
+
+A real target answers ~1 prompt per second on a 2-core CPU, so the main job cannot regenerate a
+thousand answers itself. ``python -m experiments.regenerate target=smollm2 data=regen_greedy
+export_answers=<folder>`` regenerates in process and then writes the answers (response token ids
+only; prompts are re-rendered by the stage) with their record: the target's signature (the GGUF's
+sha256 where the target was converted from one, its config's sha1), the generation settings, the
+regeneration batch size and the commit. The ``recorded`` backend (``data/backend=recorded``,
+:class:`RecordedBackend`) then answers from that file, after regenerating its first
+``check_batches`` batches in process and comparing them token for token (greedy answers depend on the
+batch they were generated in, so the record's batch size is required).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from drafters import data as regen
+from drafters.locks import read_json, write_json_atomic
+from experiments.pipeline.paths import REPO, portable_path
+from experiments.pipeline.regen_backends import Answer, InProcessBackend, Prompt
+
+ANSWERS = "answers.npz"
+RECORD = "record.json"
+
+
+class RecordMismatch(ValueError):
+    """The recorded answers do not belong to this target, these settings or these prompts."""
+
+
+def _target_record(path: str) -> dict:
+    folder = Path(path).expanduser()
+    conversion = folder / "conversion.json"
+    record = {"name": folder.name}
+    if conversion.is_file():
+        record["gguf_sha256"] = read_json(conversion, "target conversion record")["gguf_sha256"]
+    return record
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def export_answers(data_dir: str | Path, out: str | Path, target_path: str, generation: dict, batch_size: int) -> Path:
+    """Write ``answers.npz`` (ids, domains, response token ids as uint32 with offsets) and ``record.json``."""
+    rows = regen.load_regenerated(data_dir)
+    responses = [row[p:] for row, p in zip(rows["input_ids"], rows["prompt_len"])]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    offsets = np.cumsum([0] + [len(r) for r in responses]).astype(np.int64)
+    tokens = np.fromiter((t for r in responses for t in r), dtype=np.uint32, count=int(offsets[-1]))
+    np.savez_compressed(out / ANSWERS, ids=np.array(rows["id"]), domains=np.array(rows["domain"]),
+                        tokens=tokens, offsets=offsets)
+    record = {"target": _target_record(target_path), "generation": generation, "batch_size": int(batch_size),
+              "rows": len(responses), "response_tokens": int(offsets[-1]), "commit": _commit()}
+    write_json_atomic(out / RECORD, record)
+    print(f"[regenerate] {len(responses)} answers ({int(offsets[-1])} tokens) recorded in {portable_path(out)}",
+          flush=True)
+    return out
+
+
+def load_answers(folder: str | Path) -> tuple[dict, dict[str, list[int]]]:
+    """``(record, {prompt id: response ids})`` of a recorded-answers folder; a damaged file is named."""
+    folder = Path(folder)
+    record = read_json(folder / RECORD, "recorded answers record")
+    try:
+        with np.load(folder / ANSWERS) as f:
+            ids, tokens, offsets = f["ids"], f["tokens"], f["offsets"]
+    except (OSError, KeyError, ValueError) as err:
+        raise RecordMismatch(f"{folder / ANSWERS} is missing or damaged ({err})") from err
+    if len(offsets) != len(ids) + 1 or offsets[-1] != len(tokens):
+        raise RecordMismatch(f"{folder / ANSWERS}: offsets do not match ids/tokens (a damaged file)")
+    answers = {str(i): tokens[offsets[k]: offsets[k + 1]].tolist() for k, i in enumerate(ids)}
+    return record, answers
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class RecordedBackend(InProcessBackend):
+    """Answers from a recorded-answers folder; its first ``check_batches`` batches regenerated and compared."""
+
+    def __init__(self, path: str, check_batches: int = 1):
+        self.path, self.check_batches, self.checked_rows, self._batches = Path(path), check_batches, 0, 0
+        self.record, self.answers = load_answers(self.path)
+
+    def open(self, cfg):
+        self._check_settings(cfg)
+        return super().open(cfg)
+
+    def _check_settings(self, cfg) -> None:
+        from omegaconf import OmegaConf
+
+        generation = OmegaConf.to_container(cfg.data.generation, resolve=True)
+        if generation != self.record["generation"]:
+            raise RecordMismatch(f"{self.path / RECORD} was generated with data.generation="
+                                 f"{self.record['generation']}, this job asks for {generation}")
+        if cfg.batch_size != self.record["batch_size"]:
+            raise RecordMismatch(f"{self.path / RECORD} was generated in batches of {self.record['batch_size']} "
+                                 f"(greedy answers depend on their batch); set batch_size={self.record['batch_size']}")
+        expected = self.record["target"].get("gguf_sha256")
+        found = _target_record(cfg.target.path).get("gguf_sha256")
+        if expected and found != expected:
+            raise RecordMismatch(f"{self.path / RECORD} answers a target converted from GGUF sha256 {expected}; "
+                                 f"target.path={cfg.target.path} has {found}")
+
+    def answer(self, prompts: list[Prompt], gen, seed: int) -> list[Answer]:
+        missing = [p.id for p in prompts if p.id not in self.answers]
+        if missing:
+            raise RecordMismatch(f"{self.path / ANSWERS} has no answer for prompts {missing[:5]} "
+                                 f"({len(missing)} of this batch): other prompts than were recorded")
+        recorded = [self.answers[p.id] for p in prompts]
+        if self._batches < self.check_batches:
+            self._check(prompts, recorded, super().answer(prompts, gen, seed))
+        self._batches += 1
+        return [Answer(r, "recorded") for r in recorded]
+
+    def _check(self, prompts, recorded, generated) -> None:
+        for p, want, got in zip(prompts, recorded, generated):
+            if got.ids != want:
+                at = _first_difference(got.ids, want)
+                raise RecordMismatch(f"prompt {p.id}: the target's answer differs from {self.path / ANSWERS} at "
+                                     f"response token {at} (generated {got.ids[at:at + 5]}, recorded {want[at:at + 5]})")
+        self.checked_rows += len(prompts)
+        print(f"[regenerate] {self.checked_rows} recorded answers regenerated and identical", flush=True)
+
+    def describe(self) -> dict:
+        return {"kind": "recorded", "path": portable_path(self.path), "record": self.record,
+                "check_batches": self.check_batches}

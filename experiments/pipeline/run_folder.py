@@ -1,0 +1,153 @@
+"""A run folder's records are written only by the job that owns it, and a folder that cannot be written is
+named before anything else happens.
+
+Hydra writes ``.hydra/`` (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``) before the job runs, so a job
+refused afterwards (the folder is locked by another job, or a resumed run's settings differ) would leave its
+own settings there, contradicting the run's weights, ``run_settings.json`` and ``results.json``.
+``experiments.train`` and ``experiments.evaluate`` therefore have Hydra write them to a staging folder of the
+process outside the run folder (``hydra.output_subdir: ${hydra_staging:}``, :func:`staging_dir`), and the stage
+copies them into ``<run folder>/.hydra`` (:func:`commit_hydra_records`) only once it owns the folder and its
+checks passed; a job that ends before that leaves the folder as it was (:func:`discard_hydra_records`). The job's
+log file is staged alike (``<staging folder>.<job name>.log``) and moved to ``<run folder>/<job name>.log`` (appended
+to the owner's) at the same point, its handler then writing there.
+
+:class:`RunFolderCheck` (a Hydra callback of every entry point, ``conf/run_dirs.yaml``) refuses a run folder that
+cannot be written before Hydra configures its log file there, with one line naming the folder and the permission.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+HYDRA_RECORDS = ".hydra"
+
+
+def staging_dir() -> str:
+    """Where Hydra writes this process's job records until the job owns its run folder (the ``${hydra_staging:}``
+    resolver): a folder of this user, host and process under the system's temporary folder."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return str(Path(tempfile.gettempdir()) / f"blockdraft-hydra-{uid}" / f"{socket.gethostname()}-{os.getpid()}")
+
+
+def _staged_for(run_dir: Path, require_records: bool = True) -> Path | None:
+    """The staged records of the current Hydra job when ``run_dir`` is its output folder, else None (no Hydra job,
+    records written in place or not at all, or another folder, e.g. an evaluation a training job runs elsewhere).
+    ``require_records=False``: the staging folder whether or not this job writes records there (DDP workers)."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    output_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None)
+    subdir = OmegaConf.select(hydra_cfg, "output_subdir", default=None)
+    if output_dir is None or Path(output_dir).resolve() != Path(run_dir).expanduser().resolve():
+        return None
+    if subdir is None:
+        return None if require_records else Path(staging_dir())
+    staged = (Path(output_dir) / str(subdir)).resolve()
+    return staged if staged == Path(staging_dir()).resolve() else None
+
+
+def commit_hydra_records(run_dir: str | Path) -> None:
+    """Copy the current job's staged Hydra records into ``<run_dir>/.hydra`` (each file replaced atomically) and
+    drop the staging folder. Call it once the job owns ``run_dir`` and its checks passed; a no-op otherwise."""
+    staged = _staged_for(Path(run_dir))
+    if staged is None or not staged.is_dir():
+        return
+    target = Path(run_dir) / HYDRA_RECORDS
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(staged.iterdir()):
+        if path.is_file():
+            tmp = target / f".{path.name}.{os.getpid()}.tmp"
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, target / path.name)
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+def _staged_logs() -> list[logging.FileHandler]:
+    """The file handlers of the root logger writing into this process's staged job logs."""
+    prefix = Path(staging_dir()).name + "."
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+            and Path(h.baseFilename).parent == Path(staging_dir()).parent and Path(h.baseFilename).name.startswith(prefix)]
+
+
+def commit_job_log(run_dir: str | Path) -> None:
+    """Append this job's staged log to ``<run_dir>/<job name>.log`` and point its handler there (every rank of a
+    job calls it once the job owns ``run_dir``); a no-op when the log is written in place."""
+    if _staged_for(Path(run_dir), require_records=False) is None:
+        return
+    for handler in _staged_logs():
+        staged = Path(handler.baseFilename)
+        dest = Path(run_dir) / staged.name[len(Path(staging_dir()).name) + 1:]
+        handler.acquire()
+        try:
+            handler.flush()
+            with open(dest, "ab") as out:
+                out.write(staged.read_bytes() if staged.is_file() else b"")
+            old, handler.baseFilename = handler.stream, str(dest.absolute())
+            handler.stream = open(dest, "a", encoding=handler.encoding or "utf-8")  # noqa: SIM115 (the handler's)
+            if old is not None:
+                old.close()
+            staged.unlink(missing_ok=True)
+        finally:
+            handler.release()
+
+
+def discard_hydra_records() -> None:
+    """Drop this process's staged Hydra records and job log (a job that ended before owning its run folder)."""
+    shutil.rmtree(staging_dir(), ignore_errors=True)
+    for handler in _staged_logs():
+        Path(handler.baseFilename).unlink(missing_ok=True)
+
+
+def _mode(path: Path) -> str:
+    info = path.stat()
+    return f"mode {stat.filemode(info.st_mode)}, owner uid {info.st_uid}"
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why a job could not write its run folder ``folder`` (one line: the folder and the permission), or None.
+    A missing folder is judged by its nearest existing parent, where it would be created."""
+    folder = Path(os.path.expanduser(str(folder))).absolute()
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    me = f"uid {os.getuid()}" if hasattr(os, "getuid") else "this user"
+    if not existing.is_dir():
+        return f"run folder {folder} cannot be created: {existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = f"run folder {folder}" if existing == folder else f"run folder {folder} cannot be created: {existing}"
+        return (f"{what} is not writable ({_mode(existing)}; this job runs as {me}): permission denied. "
+                "Make it writable or choose another folder (hydra.run.dir=..., $BLOCKDRAFT_RUNS)")
+    for inside in (folder / HYDRA_RECORDS, *sorted(folder.glob("*.log"))):
+        if inside.exists() and not os.access(inside, os.W_OK | (os.X_OK if inside.is_dir() else 0)):
+            return (f"run folder {folder}: {inside.name} is not writable ({_mode(inside)}; this job runs as {me}): "
+                    "permission denied. Make it writable or choose another folder (hydra.run.dir=...)")
+    return None
+
+
+class RunFolderCheck(Callback):
+    """Hydra callback: exit with one line naming the run folder and the permission when it cannot be written,
+    before Hydra creates it, configures its log file there or writes its records (``conf/run_dirs.yaml``)."""
+
+    @staticmethod
+    def _check(config: DictConfig, key: str) -> None:
+        folder = OmegaConf.select(config, key, default=None)
+        problem = unwritable(folder) if folder is not None else None
+        if problem:
+            sys.exit(f"error: {problem}")
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.sweep.dir")

