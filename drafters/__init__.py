@@ -1,9 +1,12 @@
-"""Block-diffusion drafters: the model, its attention mask, and (in data/module) its training."""
+"""Block-diffusion drafters: the core DFlash drafter (drafters.model), its variants (drafters.variants), the
+decoding policy (drafters.policy), and (in data/module) its training."""
 
 from drafters.attention import build_block_attention_mask
-from drafters.model import BlockDiffusionDrafter, DrafterConfig
+from drafters.model import BlockDiffusionDrafter, DFlashDrafter, DrafterConfig
+from drafters.policy import DraftingPolicy, PolicyDrafter
 
-__all__ = ["BlockDiffusionDrafter", "DrafterConfig", "build_block_attention_mask"]
+__all__ = ["BlockDiffusionDrafter", "DFlashDrafter", "DrafterConfig", "DraftingPolicy", "PolicyDrafter",
+           "build_block_attention_mask"]
 
 # Training side (data, LightningModule), imported lazily: it pulls in Lightning and datasets.
 _TRAINING = {"RegenDataModule": "drafters.data", "collate": "drafters.data", "sample_anchors": "drafters.data",

@@ -82,3 +82,15 @@ def block_mask_subset(mask: torch.Tensor, blocks: torch.Tensor, block_size: int)
     context = mask.shape[-1] - mask.shape[-2]  # S: the keys are [context, every block's slots]
     keys = torch.cat([torch.arange(context, device=mask.device), context + slots])
     return mask[:, :, slots][..., keys]
+
+
+def draft_block_mask(columns: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
+    """The mask of one block per row at inference: ``columns`` (B, C + N) bool, the cached columns a row sees
+    followed by the block's N slots (True). (B, 1, 1, C + N), the same for every slot; with ``own`` (N, N) bool
+    (:func:`own_block_mask`), (B, 1, N, C + N): slot i sees block slot j iff ``own[i, j]``."""
+    mask = columns[:, None, None]
+    if own is None:
+        return mask
+    n = own.shape[0]
+    cached = mask[..., : mask.shape[-1] - n].expand(-1, -1, n, -1)
+    return torch.cat([cached, mask[..., -n:] & own], dim=-1)

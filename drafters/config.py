@@ -25,7 +25,8 @@ LEGACY_DEFAULTS = {"qk_norm": False, "attention_bias": False}
 
 @dataclass
 class DrafterConfig:
-    """Everything needed to rebuild a drafter; saved as ``config.json`` next to the weights."""
+    """The core (DFlash) drafter's shape: exactly what the DFlash serving format expresses; saved as
+    ``config.json`` next to the weights, with the options of any variant (:mod:`drafters.variants`) beside it."""
 
     block_size: int  # B: anchor slot + K = B - 1 drafted slots
     num_layers: int
@@ -43,40 +44,6 @@ class DrafterConfig:
     # Qwen3 / DFlash layer details (what the DFlash serving format needs, drafters/dflash.py):
     qk_norm: bool = True  # per-head RMSNorm of queries and keys (context keys included) before RoPE
     attention_bias: bool = False  # biases on the q/k/v/o projections
-    # The layerwise design (not DFlash's; export refuses it): drafter layer i reads the target's hidden
-    # state target_layer_ids[i] through its own input norm, as the target's layer of that index reads its
-    # input, instead of one fused context shared by all layers; with the layers copied from the target
-    # (init_layers_from_target) the context keys/values start as the target's own.
-    layerwise_context: bool = False
-    # Slot k's logits come from block position k - 1 (the anchor predicts the next token, as in a causal
-    # LM) instead of position k (DFlash: the anchor's output is unused, MASK slot k predicts token k).
-    shifted: bool = False
-    # The anchor (block position 0) attends to the context and itself only, not to the block's other slots
-    # (they still see it and each other). Shifted, with every target layer copied, the anchor's output is
-    # then the target's own next-token prediction before any training (docs/history.md, "The deep drafter").
-    causal_anchor: bool = False
-    # With causal_anchor and shifted: the anchor (slot 1's position) runs through frozen copies of each layer's
-    # query/output projections, post-attention norm and MLP, taken when the drafter is built; the other slots run
-    # through the trainable ones. The parts both read (input norms, key/value projections, q/k norms, the output
-    # norm) are frozen too, so training never moves slot 1: with every target layer copied it stays the target's
-    # own next token, and the losses train slots 2..K only.
-    frozen_anchor: bool = False
-    # Block slots 1..K read the continuation prompt lookup proposes from the row's own tokens up to the
-    # anchor (drafters/hints.py; n-grams lookup_max_ngram..1) instead of MASK tokens, where one exists.
-    lookup_hints: bool = False
-    lookup_max_ngram: int = 3
-    # With lookup_hints: slots whose prompt-lookup hint rests on fewer than 2 tokens read instead what an
-    # n-gram store of the training answers continues (drafters/hints.py HintStore, corpus_lookup's rule), the
-    # store saved beside the drafter; in training a row reads the store of the other store_num_folds - 1
-    # folds of answers (never its own).
-    store_hints: bool = False
-    store_num_folds: int = 4
-    # Refinement (self-conditioning): after the first pass, the block runs this many more times with the
-    # previous pass's argmax drafts in slots 1..K instead of MASK / hints, and the last pass drafts. In
-    # training, every other block is conditioned on a first pass's argmax (no gradient through it), so
-    # the drafter learns both passes; 0 = one pass (DFlash's).
-    refine_passes: int = 0
-
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
         missing = [k for k in FINGERPRINT_KEYS if k not in self.target_fingerprint]
@@ -108,23 +75,6 @@ class DrafterConfig:
                 f"target_layer_ids {bad} out of range: the target has {num_states} hidden states "
                 f"(0 = embeddings .. {num_states - 1} = last layer)"
             )
-        if self.layerwise_context and len(self.target_layer_ids) != self.num_layers:
-            raise ValueError(
-                f"layerwise_context: each of the {self.num_layers} drafter layers reads one target hidden "
-                f"state, but target_layer_ids {list(self.target_layer_ids)} lists {len(self.target_layer_ids)}"
-            )
-        if self.frozen_anchor and not (self.causal_anchor and self.shifted):
-            raise ValueError(
-                f"frozen_anchor needs causal_anchor and shifted (slot 1 read from an anchor that sees no other slot), "
-                f"got causal_anchor={self.causal_anchor}, shifted={self.shifted}")
-        if self.refine_passes < 0:
-            raise ValueError(f"refine_passes must be >= 0, got {self.refine_passes}")
-        if self.lookup_max_ngram < 1:
-            raise ValueError(f"lookup_max_ngram must be >= 1, got {self.lookup_max_ngram}")
-        if self.store_hints and not self.lookup_hints:
-            raise ValueError("store_hints needs lookup_hints (the store fills the slots prompt lookup leaves weak)")
-        if self.store_num_folds < 2:
-            raise ValueError(f"store_num_folds must be >= 2 (a row's own answer is left out), got {self.store_num_folds}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
@@ -249,17 +199,22 @@ def target_sizes(config: Any) -> dict[str, Any]:
     }
 
 
-def check_same_config(saved: dict[str, Any], current: DrafterConfig) -> None:
-    """Refuse to resume a checkpoint whose drafter config (``saved``, a :meth:`DrafterConfig.to_dict`)
-    is not ``current``: another target (fingerprint), or another drafter shape (the fields named)."""
-    ours = current.to_dict()
-    saved = legacy_fingerprint(saved, ours)  # a checkpoint from before the weights signature: compared without it
-    if saved.get("target_fingerprint") != ours["target_fingerprint"]:
+def check_same_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint whose drafter config (``saved``, a drafter's ``saved_config()``, or the flat
+    config of an older blockdraft) is not ``current`` (the drafter's ``saved_config()``): another target
+    (fingerprint), or another drafter shape or variant (the fields named)."""
+    from drafters.variants import compose, options_of, read_saved_config
+
+    saved = legacy_fingerprint(saved, current)  # a checkpoint from before the weights signature: compared without it
+    if saved.get("target_fingerprint") != current["target_fingerprint"]:
         raise ValueError(
             f"checkpoint was trained for another target: its target fingerprint is "
-            f"{saved.get('target_fingerprint')}, the current target's is {ours['target_fingerprint']}"
+            f"{saved.get('target_fingerprint')}, the current target's is {current['target_fingerprint']}"
         )
-    diffs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+    config, variants = read_saved_config(saved, "in the checkpoint")
+    options = options_of(compose(variants), variants, config)
+    saved = config.to_dict() | {"variants": {n: dataclasses.asdict(o) for n, o in options.items()}}
+    diffs = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
     if diffs:
         shown = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diffs.items())
         raise ValueError(f"checkpoint's drafter config differs from the current one: {shown}")

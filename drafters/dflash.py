@@ -8,7 +8,7 @@ load block drafters from one directory:
   ``block_size`` and ``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``;
 * ``model.safetensors``: the drafter's weights only (the target's embedding and LM head are shared).
 
-The forward is blockdraft's (:mod:`drafters.model`) with ``qk_norm=True``: context features
+The forward is the core drafter's (:class:`drafters.model.DFlashDrafter`) with ``qk_norm=True``: context features
 ``hidden_norm(fc(concat(h)))`` enter every layer's k/v projections un-normalised, queries come from
 the block ``[anchor, MASK x K]`` only, keys are ``k_norm`` + RoPE of context and block alike,
 attention over context + block is bidirectional, ``norm`` then the target's LM head.
@@ -37,7 +37,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafters.config import DrafterConfig, target_fingerprint
-from drafters.model import CONFIG_NAME, WEIGHTS_NAME, BlockDiffusionDrafter
+from drafters.model import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
+from drafters.model_card import model_card, reads_final_output, serving_commands
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
@@ -113,24 +114,18 @@ FINAL_OUTPUT_WARNING = (
     "with vLLM, train the drafter with target_layer_ids below {last}")
 
 
-def reads_final_output(cfg: DrafterConfig) -> bool:
-    """Whether the drafter reads ``hidden_states[L]`` (the target's final-norm output)."""
-    return cfg.target_fingerprint["num_hidden_layers"] in cfg.target_layer_ids
-
-
-def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
+def _check_exportable(drafter: DFlashDrafter) -> None:
     """Raise :class:`DFlashFormatError` where DFlash cannot express ``drafter``; warn where vLLM cannot serve it."""
     cfg: DrafterConfig = drafter.config
-    if cfg.layerwise_context or cfg.shifted or cfg.causal_anchor or cfg.frozen_anchor:
+    if not isinstance(drafter, DFlashDrafter):
+        raise DFlashFormatError(f"{type(drafter).__name__} is not a blockdraft drafter; expected a DFlashDrafter")
+    if type(drafter).variant_names:
+        from drafters.variants import REGISTRY
+
+        reasons = "; ".join(REGISTRY[name].export_refusal for name in type(drafter).variant_names)
         raise DFlashFormatError(
-            f"drafter config layerwise_context={cfg.layerwise_context}, shifted={cfg.shifted}, "
-            f"causal_anchor={cfg.causal_anchor}, frozen_anchor={cfg.frozen_anchor}: blockdraft's "
-            "layerwise design, not DFlash's (one fused context for all layers, slot k read from block position "
-            "k); it cannot be served as a DFlash drafter. Evaluate it with experiments.evaluate instead")
-    if cfg.lookup_hints:
-        raise DFlashFormatError(
-            "drafter config lookup_hints=True: its block slots read prompt-lookup tokens instead of MASK, which "
-            "DFlash engines do not provide; evaluate it with experiments.evaluate instead")
+            f"{type(drafter).__name__}: a variant of the DFlash drafter, which the DFlash format cannot express "
+            f"({reasons}). Only the core drafter exports; evaluate this one with experiments.evaluate instead")
     if not cfg.qk_norm:
         raise DFlashFormatError(
             "drafter config qk_norm=False (a drafter saved before q/k norm existed): DFlash layers always "
@@ -145,10 +140,6 @@ def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
                                                   last=cfg.target_fingerprint["num_hidden_layers"],
                                                   dflash=cfg.target_fingerprint["num_hidden_layers"] - 1),
                       stacklevel=4)
-    if cfg.refine_passes:
-        warnings.warn(f"drafter config refine_passes={cfg.refine_passes}: DFlash engines run the block once, so the "
-                      "exported drafter drafts as refine_passes=0 (its first pass, which training also taught)",
-                      stacklevel=4)
     scale = _embedding_scale(getattr(drafter, "_target", None))
     if scale != 1.0:
         raise DFlashFormatError(
@@ -156,7 +147,7 @@ def _check_exportable(drafter: BlockDiffusionDrafter) -> None:
             "the raw embedding weight (scale 1.0), so this drafter's inputs would differ")
 
 
-def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: int | None = None,
+def dflash_config(drafter: DFlashDrafter, *, max_position_embeddings: int | None = None,
                   dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The DFlash ``config.json`` of ``drafter`` (refuses what DFlash cannot express)."""
     cfg: DrafterConfig = drafter.config
@@ -203,13 +194,13 @@ def dflash_config(drafter: BlockDiffusionDrafter, *, max_position_embeddings: in
     }
 
 
-def dflash_state_dict(drafter: BlockDiffusionDrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def dflash_state_dict(drafter: DFlashDrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The drafter's weights under DFlash names (contiguous CPU tensors, optionally cast)."""
     return {to_dflash_name(k): v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous()
             for k, v in drafter.state_dict().items()}
 
 
-def export_dflash(drafter: BlockDiffusionDrafter, out_dir: str | Path, *, card: str | None = None,
+def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, card: str | None = None,
                   max_position_embeddings: int | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write ``drafter`` to ``out_dir`` in the DFlash format: config.json, model.safetensors, README.md.
 
@@ -224,77 +215,6 @@ def export_dflash(drafter: BlockDiffusionDrafter, out_dir: str | Path, *, card: 
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(card if card is not None else model_card(drafter, out_dir))
     return out_dir
-
-
-def serving_commands(out_dir: str | Path, target: str = "<target model>", num_speculative_tokens: int = 15) -> dict:
-    """vLLM and SGLang command lines serving ``target`` with the DFlash drafter in ``out_dir``."""
-    spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": num_speculative_tokens})
-    return {
-        "vllm": f"vllm serve {target} --speculative-config '{spec}'",
-        "sglang": (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                   f"--speculative-draft-model-path {out_dir}"),
-    }
-
-
-def model_card(drafter: BlockDiffusionDrafter, out_dir: str | Path, *, target: str | None = None,
-               data: str | None = None, loss: str | None = None,
-               tau: dict[str, dict[str, float]] | None = None, notes: str | None = None) -> str:
-    """A short README.md: what the drafter is, how it was trained, its τ, how to serve it.
-
-    ``tau``: ``{suite: {"T=0": τ, ...}}`` (e.g. from a results.json); missing items read "unknown".
-    """
-    cfg = drafter.config
-    fp = cfg.target_fingerprint
-    target_name = target or "<target model>"
-    cmds = serving_commands(out_dir, target_name, cfg.block_size - 1)
-    params = sum(p.numel() for p in drafter.parameters())
-    lines = [
-        "# Block-diffusion drafter (DFlash format)",
-        "",
-        (f"A {cfg.num_layers}-layer block drafter ({params:,} parameters) trained with blockdraft for speculative "
-        f"decoding of **{target_name}** ({fp['model_type']}, {fp['num_hidden_layers']} layers, hidden "
-        f"{fp['hidden_size']}, vocabulary {fp['vocab_size']}). It drafts {cfg.block_size - 1} tokens per step "
-        f"(block size {cfg.block_size}, mask token {cfg.mask_token_id}) from the hidden states of target "
-        f"layers {[i - 1 for i in cfg.target_layer_ids]} (DFlash layer ids, counted from 0)."),
-        "",
-        f"- Training data: {data or 'unknown'}",
-        f"- Loss: {loss or 'unknown'}",
-    ]
-    if tau:
-        temps = sorted({t for row in tau.values() for t in row})
-        lines += ["", "τ (accepted tokens per verification step, bonus included; exact verification):", "",
-                  "| suite | " + " | ".join(temps) + " |", "|---" * (len(temps) + 1) + "|"]
-        for suite, row in tau.items():
-            lines.append(f"| {suite} | " + " | ".join(f"{row[t]:.3f}" if t in row else "—" for t in temps) + " |")
-    else:
-        lines += ["- τ: not measured (no results.json next to the training run)"]
-    if reads_final_output(cfg):
-        lines += ["", (f"Caveat: this drafter reads the target's last hidden state (after its final norm, DFlash "
-                       f"layer id {fp['num_hidden_layers'] - 1}). The `dflash` package provides it; vLLM captures "
-                       "only the inputs of target layers and does not, so check it before serving with vLLM.")]
-    if notes:
-        lines += ["", notes]
-    lines += [
-        "",
-        "## Serve",
-        "",
-        "vLLM:",
-        "",
-        "```bash",
-        cmds["vllm"],
-        "```",
-        "",
-        "SGLang:",
-        "",
-        "```bash",
-        cmds["sglang"],
-        "```",
-        "",
-        ("Serving engines need a GPU; blockdraft checked this checkpoint against the `dflash` reference "
-         "package on CPU, not inside vLLM or SGLang."),
-        "",
-    ]
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -423,17 +343,16 @@ def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Pa
     )
 
 
-def load_dflash(directory: str | Path, target: nn.Module | None,
-                drafter_class: type[BlockDiffusionDrafter] = BlockDiffusionDrafter) -> BlockDiffusionDrafter:
-    """A DFlash checkpoint as a :class:`BlockDiffusionDrafter` attached to ``target``."""
+def load_dflash(directory: str | Path, target: nn.Module | None) -> DFlashDrafter:
+    """A DFlash checkpoint as a :class:`DFlashDrafter` (the core drafter) attached to ``target``."""
     directory = Path(directory)
     if target is None or getattr(target, "config", None) is None:
         raise _refuse(directory, "importing a DFlash checkpoint needs the target model "
-                                 "(BlockDiffusionDrafter.from_pretrained(dir, target)): its config does not "
+                                 "(DFlashDrafter.from_pretrained(dir, target)): its config does not "
                                  "record the target's architecture")
     raw = json.loads((directory / CONFIG_NAME).read_text())
     config = dflash_drafter_config(raw, target.config, directory)
-    drafter = drafter_class(config)
+    drafter = DFlashDrafter(config)
     expected = {to_dflash_name(k): k for k in drafter.state_dict()}
     weights = load_file(str(directory / WEIGHTS_NAME))
     missing = sorted(set(expected) - set(weights))

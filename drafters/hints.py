@@ -1,6 +1,6 @@
 """Lookup hints: what prompt lookup would draft, given to a block drafter as its slots' input tokens.
 
-A drafter with ``DrafterConfig.lookup_hints`` fills block slots 1..K with the continuation that
+A drafter with the ``hints`` variant (:mod:`drafters.variants.hints`) fills block slots 1..K with the continuation that
 prompt lookup (:class:`verify.PromptLookupDrafter`, the rule of transformers'
 ``prompt_lookup_num_tokens``) proposes from the row's own tokens up to the anchor, instead of MASK
 tokens; where no n-gram of the anchor's suffix occurs earlier, the slots stay MASK. The drafter still
@@ -10,7 +10,7 @@ to trust (a loop in the target's output is copied; elsewhere the hint is noise i
 The same function serves training (every anchor of a batch at once) and inference (one anchor per row
 after the committed tokens), so both see the same hints.
 
-With ``DrafterConfig.store_hints`` the slots whose prompt-lookup hint rests on fewer than two tokens read
+With the ``store_hints`` variant the slots whose prompt-lookup hint rests on fewer than two tokens read
 a :class:`HintStore`'s continuation instead: what ``corpus_lookup`` (:class:`verify.CorpusLookupDrafter`)
 would draft there from the target's own answers.
 """

@@ -1,15 +1,17 @@
 """The drafter's layers: RMSNorm, RoPE, attention over [context, block] keys/values, SwiGLU, and
-the decoder layer, with :func:`draft_layer` (one layer at inference, writing the block's keys/values
-into the cache buffers) and :func:`copy_target_layers` (the warm start from the target's layers)."""
+the decoder layer (:class:`DrafterLayer`), run by training over many blocks per row (:class:`BlockContext`)
+and by drafting over one block per row after the cached columns (:class:`CachedContext`); and
+:func:`copy_target_layers` (the warm start from the target's layers)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from drafters.attention import own_block_mask
 from drafters.config import DrafterConfig
 
 
@@ -40,52 +42,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
-def by_slot(x: torch.Tensor, block_size: int, anchor_fn, slot_fn) -> torch.Tensor:
-    """``anchor_fn`` on each block's anchor (position 0), ``slot_fn`` on its other positions.
-
-    x: (Bt, N, *), block-major, N = A * block_size (at inference one block per row: block_size = N).
-    Returns (Bt, N, *'), the two results put back in place."""
-    bt, n = x.shape[:2]
-    blocks = x.reshape(bt, n // block_size, block_size, *x.shape[2:])  # (Bt, A, B, *)
-    # contiguous parts: a linear layer then runs as one plain matmul (a strided view makes it a batched one
-    # over a broadcast weight, several times slower on a CPU)
-    out = torch.cat([anchor_fn(blocks[:, :, :1].contiguous()), slot_fn(blocks[:, :, 1:].contiguous())], dim=2)
-    return out.reshape(bt, n, *out.shape[3:])
-
-
 class DrafterAttention(nn.Module):
-    """Block queries attend to [context keys/values, block keys/values] under a boolean mask."""
+    """The projections of a drafter layer's attention (Qwen3's: per-head q/k RMSNorm before RoPE)."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.causal_anchor = cfg.causal_anchor  # the anchor sees no other slot of its block
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
-        # Qwen3's per-head RMSNorm over head_dim, applied to queries and keys before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # frozen_anchor: the anchor's own (frozen) query/output projections; copied by sync_anchor_path
-        self.anchor_q_proj = self.anchor_o_proj = None
-        if cfg.frozen_anchor:
-            self.anchor_q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-            self.anchor_o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:  # (Bt, N, n*d) -> (Bt, n, N, d)
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
 
-    def query(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, H) -> (Bt, N, h*d), before heads
-        if self.anchor_q_proj is None:
-            return self.q_proj(x)
-        return by_slot(x, block_size, self.anchor_q_proj, self.q_proj)
-
-    def output(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, h*d) -> (Bt, N, H)
-        if self.anchor_o_proj is None:
-            return self.o_proj(x)
-        return by_slot(x, block_size, self.anchor_o_proj, self.o_proj)
+    def rotated_query(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Projected queries (Bt, N, h*d) -> normalised, rotated heads (Bt, h, N, d)."""
+        q = self._heads(q, self.num_heads)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated keys and values (Bt, h_kv, N, d) of x (Bt, N, H) at the positions of cos/sin."""
@@ -95,25 +74,60 @@ class DrafterAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
-        # x (Bt, N, H) normalised block states, N = A blocks x block_size; ctx_k/ctx_v (Bt, h_kv, S, d);
-        # mask (Bt, 1, N, S + N) from drafters.attention.build_block_attention_mask
-        q = self._heads(self.query(x, block_size), self.num_heads)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)  # (Bt, h, N, d)
-        k, v = self.key_value(x, cos, sin)  # (Bt, h_kv, N, d)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v, ctx_k, ctx_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, ctx_k, ctx_v))
+
+def _repeat_kv(groups: int, *tensors: torch.Tensor):
+    """Grouped-query attention: each key/value head (Bt, h_kv, S, d) repeated for its query heads."""
+    return tensors if groups == 1 else tuple(t.repeat_interleave(groups, dim=1) for t in tensors)
+
+
+@dataclass
+class BlockContext:
+    """Training: A blocks per row over S context columns (:meth:`DrafterLayer.forward`'s ``context``).
+
+    keys/values: (Bt, h_kv, S, d) of the context columns; mask: (Bt, 1, A*B, S + A*B) bool from
+    :func:`drafters.attention.build_block_attention_mask`; own: (B, B) bool, which slots of its own block
+    each slot sees (None: all)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    block_size: int
+    own: torch.Tensor | None = None
+
+    def attend(self, q, k, v, keep=None) -> torch.Tensor:
+        """q (Bt, h, N, d) of the blocks' slots, k/v (Bt, h_kv, N, d) of the same slots -> (Bt, h, N, d)."""
+        groups = q.shape[1] // k.shape[1]
+        k, v, ctx_k, ctx_v = _repeat_kv(groups, k, v, self.keys, self.values)
         if q.device.type == "cpu":  # the fused kernel would score every block's slots; see block_attention
-            own = own_block_mask(block_size, q.device) if self.causal_anchor else None
-            out = block_attention(q, k, v, ctx_k, ctx_v, mask[..., : ctx_k.shape[2]], block_size, own)
-        else:  # the fused kernel never holds the (N, S) scores: the memory a GPU-sized step needs
-            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (Bt, h, S + N, d)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, N, d)
-        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N, h*d)
-        return self.output(out, block_size)
+            return block_attention(q, k, v, ctx_k, ctx_v, self.mask[..., : ctx_k.shape[2]], self.block_size,
+                                   self.own)
+        # the fused kernel never holds the (N, S) scores: the memory a GPU-sized step needs
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (Bt, h, S + N, d)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+@dataclass
+class CachedContext:
+    """Drafting: one block per row after ``start`` cached columns (:meth:`DrafterLayer.forward`'s ``context``).
+
+    keys/values: the cache buffers (B, h_kv, capacity, d); the block's own keys/values are written at
+    columns ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
+    the keys of ``cat([context, block])`` without copying the context. mask: (B, 1, 1, start + N) shared by
+    every slot, or (B, 1, N, start + N) per slot."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+    mask: torch.Tensor
+
+    def attend(self, q, k, v, keep=None) -> torch.Tensor:
+        """q (B, h, N', d) of the kept slots, k/v (B, h_kv, N, d) of every block slot -> (B, h, N', d)."""
+        end = self.start + k.shape[2]
+        self.keys[:, :, self.start : end] = k
+        self.values[:, :, self.start : end] = v
+        keys, values = _repeat_kv(q.shape[1] // k.shape[1], self.keys[:, :, :end], self.values[:, :, :end])
+        mask = self.mask[:, :, keep] if keep is not None and self.mask.shape[2] > 1 else self.mask
+        return cached_attention(q, keys, values, mask)
 
 
 def block_attention(q, k, v, ctx_k, ctx_v, context_mask, block_size: int, own_mask=None) -> torch.Tensor:
@@ -151,7 +165,8 @@ class SwiGLU(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    """Pre-norm Llama layer whose attention also reads the context keys/values."""
+    """Pre-norm Llama layer whose attention also reads the context keys/values; the one layer that both
+    training (:class:`BlockContext`) and drafting (:class:`CachedContext`) run."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -159,48 +174,45 @@ class DrafterLayer(nn.Module):
         self.attn = DrafterAttention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        # frozen_anchor: the anchor's own post-attention norm and MLP. Frozen: the anchor's copies, and what every
-        # slot (and the context) reads: the input norm, the key/value projections and the q/k norms.
-        self.anchor_post_attn_norm = self.anchor_mlp = None
-        if cfg.frozen_anchor:
-            self.anchor_post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.anchor_mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-            a = self.attn
-            for module in (self.anchor_post_attn_norm, self.anchor_mlp, a.anchor_q_proj, a.anchor_o_proj,
-                           self.input_norm, a.k_proj, a.v_proj, a.q_norm, a.k_norm):
-                if module is not None:
-                    module.requires_grad_(False)
 
     #: Recompute the layer's activations in the backward pass (torch.utils.checkpoint) instead of keeping
     #: them: the activation memory of a training step drops to the layers' inputs, for one more forward
-    #: of the layers. Training only; set by ``BlockDiffusionDrafter.set_gradient_checkpointing`` (config:
+    #: of the layers. Training only; set by ``set_gradient_checkpointing`` (config:
     #: ``drafter.gradient_checkpointing``); not saved with the drafter. Gradients are unchanged.
     gradient_checkpointing: bool = False
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):  # x (Bt, N, H) -> (Bt, N, H)
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, ctx_k, ctx_v, mask, block_size, use_reentrant=False)
-        return self._forward(x, cos, sin, ctx_k, ctx_v, mask, block_size)
+    def forward(self, x, cos, sin, context, block_size: int, keep: slice | None = None) -> torch.Tensor:
+        """x (Bt, N, H) block states (N = A blocks x ``block_size``), cos/sin (Bt, N, d) -> (Bt, N', H).
 
-    def _forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
-        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, mask, block_size)
+        ``context``: a :class:`BlockContext` or :class:`CachedContext`. ``keep`` (drafting's last layer: the
+        drafted slots of one block per row): the queries, the MLP and the returned states are those N' slots
+        only, as no head reads the other slot's output; the keys/values are every slot's."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, context, block_size, keep, use_reentrant=False)
+        return self._forward(x, cos, sin, context, block_size, keep)
+
+    def _forward(self, x, cos, sin, context, block_size: int, keep: slice | None) -> torch.Tensor:
+        h = self.input_norm(x)
+        k, v = self.attn.key_value(h, cos, sin)  # (Bt, h_kv, N, d): every slot's
+        if keep is not None:
+            h, x, cos, sin = h[:, keep].contiguous(), x[:, keep], cos[:, keep], sin[:, keep]
+            block_size = h.shape[1]  # one block per row, its kept slots
+        q = self.attn.rotated_query(self.q_projection(h, block_size), cos, sin)  # (Bt, h, N', d)
+        out = context.attend(q, k, v, keep).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # (Bt, N', h*d)
+        x = x + self.o_projection(out, block_size)
         return x + self.feed_forward(x, block_size)
 
-    def feed_forward(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, H) -> (Bt, N, H)
-        """The MLP branch; under ``frozen_anchor`` each block's anchor goes through the frozen copy."""
-        if self.anchor_mlp is None:
-            return self.mlp(self.post_attn_norm(x))
-        return by_slot(x, block_size, lambda a: self.anchor_mlp(self.anchor_post_attn_norm(a)),
-                       lambda s: self.mlp(self.post_attn_norm(s)))
+    # Hooks over the block's slots (x block-major, blocks of ``block_size``); a variant may treat each block's
+    # first slot (its anchor) apart (drafters.variants.anchor).
 
-    @torch.no_grad()
-    def sync_anchor_path(self) -> None:
-        """frozen_anchor: set the anchor's frozen copies to the layer's current weights (when it is built)."""
-        pairs = [(self.attn.anchor_q_proj, self.attn.q_proj), (self.attn.anchor_o_proj, self.attn.o_proj),
-                 (self.anchor_post_attn_norm, self.post_attn_norm), (self.anchor_mlp, self.mlp)]
-        for frozen, live in pairs:
-            if frozen is not None:
-                frozen.load_state_dict(live.state_dict())
+    def q_projection(self, h: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, H) -> (Bt, N, h*d)
+        return self.attn.q_proj(h)
+
+    def o_projection(self, out: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, h*d) -> (Bt, N, H)
+        return self.attn.o_proj(out)
+
+    def feed_forward(self, x: torch.Tensor, block_size: int) -> torch.Tensor:  # (Bt, N, H) -> (Bt, N, H)
+        return self.mlp(self.post_attn_norm(x))
 
 
 # Drafter layer parameter -> the same parameter of a Llama/Qwen-style target decoder layer.
@@ -249,36 +261,3 @@ def cached_attention(q, keys, values, mask) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, h, N, S)
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
-
-
-def draft_layer(layer: DrafterLayer, x, cos, sin, k_buffer, v_buffer, start: int, mask, keep: slice | None = None):
-    """:meth:`DrafterLayer.forward` for one block per row at inference (x (B, N, H), N = block size).
-
-    The block's keys/values are written into the cache buffers (B, h_kv, capacity, d) at columns
-    ``start .. start + N`` (just past the cached ones) and attention reads ``buffer[..., :start + N]``:
-    the same keys as ``cat([context, block])``, without copying the context. ``mask`` (B, 1, 1, start + N)
-    is shared by all slots, or (B, 1, N, start + N) per slot (``causal_anchor``). With ``keep`` (the last layer:
-    the drafted slots) the queries, the MLP and the returned states are those slots only: no head reads the
-    other slot's output.
-    """
-    attn = layer.attn
-    h = layer.input_norm(x)
-    k, v = attn.key_value(h, cos, sin)  # (B, h_kv, N, d)
-    end = start + x.shape[1]
-    k_buffer[:, :, start:end] = k
-    v_buffer[:, :, start:end] = v
-    keys, values = k_buffer[:, :, :end], v_buffer[:, :, :end]
-    if keep is not None:
-        h, x, cos, sin = h[:, keep].contiguous(), x[:, keep], cos[:, keep], sin[:, keep]
-        mask = mask[:, :, keep] if mask.shape[2] > 1 else mask
-    rows = h.shape[1]  # N' slots of one block, the anchor first (keep starts at 0 under frozen_anchor)
-    q = attn._heads(attn.query(h, rows), attn.num_heads)
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    q = apply_rope(q, cos, sin)  # (B, h, N', d)
-    groups = attn.num_heads // attn.num_kv_heads
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    out = cached_attention(q, keys, values, mask)  # (B, h, N', d)
-    x = x + attn.output(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1), rows)
-    return x + layer.feed_forward(x, rows)

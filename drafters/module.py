@@ -179,10 +179,10 @@ class DrafterLightningModule(L.LightningModule):
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if not k.startswith(("drafter.", "loss."))]:
             del state[key]  # never store the frozen target
-        checkpoint["drafter_config"] = self.drafter.config.to_dict()
+        checkpoint["drafter_config"] = self.drafter.saved_config()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("drafter_config")
         if saved is None:
             raise ValueError("checkpoint has no drafter_config: it was not written by DrafterLightningModule")
-        check_same_config(saved, self.drafter.config)
+        check_same_config(saved, self.drafter.saved_config())

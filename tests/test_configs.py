@@ -311,11 +311,11 @@ def test_bench_drafters_are_the_confs():
     target = tiny_target(num_layers=3)
     lw = drafter_factory("layerwise", ["drafter.block_size=8"])(target)
     expected = _compose("train", ["drafter=layerwise", "drafter.block_size=8"]).drafter
-    assert (lw.config.layerwise_context, lw.config.shifted, lw.config.block_size) == (True, True, 8)
+    assert lw.variant_names == ("layerwise",) and lw.variants["layerwise"].shifted and lw.config.block_size == 8
     assert lw.config.num_layers == expected.num_layers and lw.config.target_layer_ids == (0, 1)
     torch.testing.assert_close(lw.layers[1].mlp.down_proj.weight, target.model.layers[1].mlp.down_proj.weight)
     dflash = drafter_factory("dflash", ["drafter.num_layers=2"])(target)
-    assert (dflash.config.layerwise_context, dflash.config.num_layers) == (False, 2)
+    assert (dflash.variant_names, dflash.config.num_layers) == ((), 2)
 
 
 def _experiment_defaults(name: str) -> list:

@@ -26,6 +26,7 @@ from drafters.dflash import (
     from_dflash_name,
     to_dflash_name,
 )
+from drafters.variants import REGISTRY
 from verify.generate import speculative_generate, target_generate
 
 dflash_model = pytest.importorskip(
@@ -433,9 +434,11 @@ def test_export_refuses_the_embedding_layer_and_legacy_drafters(tmp_path):
         export_dflash(BlockDiffusionDrafter.from_target(target, target_layer_ids=(0, 2)), tmp_path)
     with pytest.raises(DFlashFormatError, match="qk_norm=False.*expected qk_norm=True"):
         export_dflash(BlockDiffusionDrafter.from_target(target, qk_norm=False), tmp_path)
-    for design in ({"layerwise_context": True, "target_layer_ids": (1,)}, {"shifted": True}):
-        with pytest.raises(DFlashFormatError, match="layerwise design, not DFlash's"):
-            export_dflash(BlockDiffusionDrafter.from_target(target, num_layers=1, **design), tmp_path)
+    for name in REGISTRY:  # every variant, alone (with what it needs), is refused by type, naming it
+        variants = {**{r: {} for r in REGISTRY[name].requires}, name: {}}
+        drafter = BlockDiffusionDrafter.from_target(target, num_layers=1, target_layer_ids=(1,), variants=variants)
+        with pytest.raises(DFlashFormatError, match=rf"a variant of the DFlash drafter.*{name} \("):
+            export_dflash(drafter, tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
 
 

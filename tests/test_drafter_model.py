@@ -16,9 +16,11 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from drafters import BlockDiffusionDrafter, DrafterConfig
+from drafters import BlockDiffusionDrafter, DrafterConfig, DraftingPolicy, PolicyDrafter
+from drafters.hints import HintStore
 from drafters.checks import target_weights_sha1
 from drafters.model import default_target_layer_ids
+from drafters.variants import REGISTRY
 from verify.generate import speculative_generate
 from verify.rejection import warp_probs
 
@@ -50,32 +52,43 @@ def build_target(arch: str, vocab: int = VOCAB, layers: int = 3, seed: int = 0) 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
-DESIGNS = ["dflash", "layerwise", "hinted", "refined", "deep", "frozen"]
+LAYERWISE = {"layerwise": {"shifted": True}}
+HINTED = {**LAYERWISE, "hints": {}}
+#: The core, each registered variant alone (with the variants it requires), and the combinations the
+#: experiments train: every design runs the exactness tests below.
+DESIGNS = {
+    "dflash": {},
+    **{name: {**{r: {} for r in REGISTRY[name].requires}, name: {}} for name in REGISTRY},
+    "layerwise": LAYERWISE,
+    "refine": {"refine": {"passes": 2}},
+    "hinted": HINTED,
+    "refined": {**HINTED, "refine": {"passes": 2}},
+    "deep": {**HINTED, "anchor": {}},
+    "frozen": {**HINTED, "anchor": {"frozen": True}},
+}
+#: Answers of a small hint store over the token range of :func:`_token_range` (drafters with store hints).
+STORE_ROWS = [([3, 4, 5, 3, 4, 5, 1, 3, 4, 5], 2), ([4, 4, 5, 3, 5, 5, 3, 4], 2), ([5, 3, 3, 4, 5, 4, 3, 5], 3)]
 
 
 def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
-    """``dflash``: the default drafter; ``layerwise``: 2 layers reading the target's hidden states 0 and 1
-    each, slots shifted, layers copied from the target where it has Llama-style layers (not GPT-2);
-    ``hinted``: layerwise with prompt-lookup hints in the block slots; ``refined``: hinted with two
-    refinement passes (eval mode, so that training's forward does what drafting does); ``deep``: hinted with
-    every target layer and ``causal_anchor``; ``frozen``: deep with ``frozen_anchor``."""
-    if design == "dflash":
-        return BlockDiffusionDrafter.from_target(target, **kwargs)
-    copy = hasattr(getattr(target, "model", None), "layers")
-    if design == "refined":
-        kwargs = {"refine_passes": 2, **kwargs}
-    if design in ("deep", "frozen"):
-        kwargs = {"num_layers": target.config.num_hidden_layers, "causal_anchor": True,
-                  "frozen_anchor": design == "frozen", **kwargs}
-    drafter = BlockDiffusionDrafter.from_target(target, **{"num_layers": 2, **kwargs}, layerwise_context=True,
-                                                shifted=True, init_layers_from_target=copy, qk_norm=not copy,
-                                                lookup_hints=design in ("hinted", "refined", "deep", "frozen"))
-    return drafter.eval() if design == "refined" else drafter
+    """The drafter of ``DESIGNS[design]``. Layerwise designs read the target's hidden states 0 and 1 (2 layers),
+    their layers copied from the target where it has Llama-style layers (not GPT-2); ``deep`` and ``frozen``
+    have every target layer. Drafters with refinement or a hint store are in eval mode (so that training's
+    forward does what drafting does)."""
+    variants = DESIGNS[design]
+    if "layerwise" in variants:
+        copy = hasattr(getattr(target, "model", None), "layers")
+        layers = target.config.num_hidden_layers if "anchor" in variants else 2
+        kwargs = {"num_layers": layers, "init_layers_from_target": copy, "qk_norm": not copy, **kwargs}
+    drafter = BlockDiffusionDrafter.from_target(target, variants=variants, **kwargs)
+    if "store_hints" in variants:
+        drafter.hint_store = HintStore(STORE_ROWS)
+    return drafter.eval() if {"refine", "store_hints"} & set(variants) else drafter
 
 
 def _token_range(drafter) -> int:
     """Token ids to draw test sequences from: few with lookup hints, so that n-grams repeat."""
-    return 6 if drafter.config.lookup_hints else VOCAB
+    return 6 if "hints" in drafter.variant_names else VOCAB
 
 
 @pytest.fixture(scope="module", params=[(a, d) for d in DESIGNS for a in ARCHS],
@@ -427,8 +440,8 @@ def test_narrow_drafting_keeps_greedy_identity_and_drafts_fewer_slots(design):
     ids, mask = left_padded_prompts([3, 7, 5], 64, seed=1)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=2, pad_token_id=0)
     whole = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=2)
-    drafter.own_draft_tokens = 2
-    narrow = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=2)
+    narrow = speculative_generate(target, PolicyDrafter(drafter, DraftingPolicy(own_draft_tokens=2)), ids,
+                                  attention_mask=mask, max_new_tokens=24, eos_token_id=2)
     assert torch.equal(narrow.sequences, ref) and torch.equal(whole.sequences, ref)
     assert narrow.num_verified_slots <= 2 * narrow.num_batched_forwards < whole.num_verified_slots
     assert all(0 <= n <= 2 for counts in narrow.accepted_counts for n in counts)
@@ -459,22 +472,21 @@ def test_a_drafter_with_the_targets_keys_and_values_reads_the_targets_cache(fami
         drafter.select_rows = _counting(drafter.select_rows, selected)
         runs = {}
         for share in (True, False):
-            drafter.share_target_cache = share
-            out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
+            policy = PolicyDrafter(drafter, DraftingPolicy(share_target_cache=share))
+            out = speculative_generate(target, policy, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
             assert torch.equal(out.sequences, ref)
-            assert drafter._shared == share and (drafter._kv_buffers is None) == share, (design, share)
+            assert drafter.shares_target_cache == share, (design, share)
             runs[share] = out.accepted_counts
         assert runs[True] == runs[False], design
         assert selected, "no row finished before the others: the test does not exercise select_rows"
     with torch.no_grad():
         drafter.layers[1].attn.k_proj.weight.add_(0.05)
-    drafter.share_target_cache = True
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
-    assert torch.equal(out.sequences, ref) and not drafter._shared and drafter._kv_buffers is not None
+    assert torch.equal(out.sequences, ref) and not drafter.shares_target_cache
     gpt2 = tiny_target("gpt2", vocab_size=64)  # layers not copied (not Llama-style): its keys are its own
     drafter = build_drafter(gpt2, "layerwise", block_size=4)
     speculative_generate(gpt2, drafter, ids, attention_mask=mask, max_new_tokens=8)
-    assert not drafter._shared
+    assert not drafter.shares_target_cache
 
 
 def test_sampled_speculative_decoding_runs_with_q():
@@ -503,144 +515,3 @@ def test_copy_target_layers_first_and_last():
     assert torch.equal(drafter.layers[0].input_norm.weight, layers[2].input_layernorm.weight)
     with pytest.raises(ValueError, match=">= 4 decoder layers"):
         copy_target_layers(drafter, target, first=3)
-
-
-# ---- the layerwise design -----------------------------------------------------------------------
-
-
-def test_layerwise_context_starts_as_the_targets_own_keys_and_values():
-    """Layers copied from a Llama target, each reading the input of the target layer it copies: the
-    context keys/values are the target's own (its KV cache, computed by Hugging Face), layer by layer."""
-    target = build_target("llama")  # 3 layers, GQA, RoPE base 50000
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=2, layerwise_context=True,
-                                                shifted=True, init_layers_from_target=True, qk_norm=False,
-                                                target_layer_ids=[1, 2])
-    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True, use_cache=True)
-        kv = drafter.context_kv([out.hidden_states[i] for i in (1, 2)], torch.arange(9).expand(2, 9))
-    cache = out.past_key_values
-    for i, layer in enumerate((1, 2)):  # drafter layer i copied target layer 1 + i and reads its input
-        keys, values = cache.layers[layer].keys, cache.layers[layer].values
-        torch.testing.assert_close(kv[i][0], keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kv[i][1], values, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(kv[0][0], cache.layers[0].keys, atol=1e-3)  # not any layer's: the one it copies
-
-
-@pytest.mark.parametrize("num_layers, at_least", [(6, 0.7), (2, 0.4)])
-def test_shifted_layerwise_drafter_starts_drafting_the_embedded_targets_next_token(num_layers, at_least):
-    """Before any training, a layerwise drafter whose layers are copies of the embedded target's first
-    layers already predicts the target's greedy next token at slot 1 when slots are shifted (the anchor's
-    output: an early exit of the target, perturbed only by the MASK slots it also attends to), and
-    almost never when slot 1 is read from the MASK position (DFlash's layout). Measured: 0.83 / 0.13
-    with all 6 layers, 0.50 / 0.03 with 2, over 80 greedy tokens of three prompts."""
-    from experiments.data.target import TINY_TARGET_DIR, load_target
-
-    target, tok = load_target(str(TINY_TARGET_DIR))
-    target.float()
-    agreement = {}
-    for shifted in (True, False):
-        drafter = BlockDiffusionDrafter.from_target(target, block_size=16, num_layers=num_layers, shifted=shifted,
-                                                    layerwise_context=True, init_layers_from_target=True,
-                                                    qk_norm=False)
-        hits = total = 0
-        for prompt in ("def add(a, b):\n", "Q: Tom has 3 apples and buys 5 more. How many apples?\nA:",
-                       "Hello, how are you today?"):
-            ids = tok(prompt, return_tensors="pt").input_ids
-            with torch.no_grad():
-                seq = target.generate(ids, max_new_tokens=40, do_sample=False)
-                anchors = torch.arange(ids.shape[1], seq.shape[1] - 1)[None]
-                logits = drafter.forward_train(target(seq, output_hidden_states=True).hidden_states, seq, None,
-                                               anchors)
-            hits += int((logits[0, :, 0].argmax(-1) == seq[0, anchors[0] + 1]).sum())
-            total += anchors.shape[1]
-        agreement[shifted] = hits / total
-    assert agreement[True] >= at_least and agreement[False] <= 0.3, agreement
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("causal_anchor", [True, False])
-def test_untrained_drafter_with_every_target_layer_and_causal_anchor_is_the_target_at_slot_1(arch, causal_anchor):
-    """Every layer copied, shifted, layerwise: with ``causal_anchor`` the anchor's output (slot 1) is the
-    target's own next-token logits at the anchor, in training and at inference; without it the anchor also
-    reads the block's MASK slots, which move those logits."""
-    target = build_target(arch)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=5, num_layers=3, layerwise_context=True,
-                                                shifted=True, init_layers_from_target=True, qk_norm=False,
-                                                causal_anchor=causal_anchor)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-        anchors = torch.tensor([[3, 7, 11], [0, 5, 9]])
-        slot1 = drafter.forward_train(out.hidden_states, ids, None, anchors)[:, :, 0]  # (2, A, V)
-        drafter.reset(2)
-        drafter.extend(ids[:, :7], torch.ones(2, 7, dtype=torch.long), torch.arange(7).expand(2, 7),
-                       [out.hidden_states[i][:, :7] for i in drafter.target_layer_ids])
-        drafted = drafter.draft_logits(ids[:, 7], torch.full((2,), 7))[:, 0]  # (2, V)
-    want = out.logits.gather(1, anchors[..., None].expand(-1, -1, out.logits.shape[-1]))  # (2, A, V)
-    close = torch.allclose(slot1, want, atol=1e-4, rtol=1e-4)
-    assert close == causal_anchor
-    assert torch.allclose(drafted, out.logits[:, 7], atol=1e-4, rtol=1e-4) == causal_anchor
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_training_a_frozen_anchor_drafter_moves_slots_2_to_K_never_slot_1(arch):
-    """``frozen_anchor``: after optimiser steps on every slot, slot 1 is still the target's own next-token logits
-    (training forward and inference) while the other slots moved; without the flag the same steps move slot 1."""
-    from drafters.optim import weight_decay_groups
-
-    target = build_target(arch)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    anchors = torch.tensor([[3, 7, 8], [0, 7, 9]])  # block 1 of each row: anchor 7, the one drafted below
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-    want = out.logits.gather(1, anchors[..., None].expand(-1, -1, out.logits.shape[-1]))  # (2, A, V)
-    moved = {}
-    for frozen in (True, False):
-        torch.manual_seed(0)
-        drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=target.config.num_hidden_layers,
-                                                    layerwise_context=True, shifted=True, init_layers_from_target=True,
-                                                    qk_norm=False, causal_anchor=True, frozen_anchor=frozen)
-        before = drafter.forward_train(out.hidden_states, ids, None, anchors).detach()  # (2, A, K, V)
-        optimizer = torch.optim.AdamW(weight_decay_groups(drafter), lr=1e-2, weight_decay=0.1)
-        labels = torch.randint(0, VOCAB, before.shape[:-1], generator=torch.Generator().manual_seed(1))
-        for _ in range(3):
-            logits = drafter.forward_train(out.hidden_states, ids, None, anchors)
-            loss = nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten())
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        with torch.no_grad():
-            after = drafter.forward_train(out.hidden_states, ids, None, anchors)
-            drafter.reset(2)
-            drafter.extend(ids[:, :7], torch.ones(2, 7, dtype=torch.long), torch.arange(7).expand(2, 7),
-                           [out.hidden_states[i][:, :7] for i in drafter.target_layer_ids])
-            drafted = drafter.draft_logits(ids[:, 7], torch.full((2,), 7))  # (2, K, V)
-        assert torch.allclose(before[..., 0, :], want, atol=1e-4, rtol=1e-4)  # untrained: the target's own
-        assert (after[..., 1:, :] - before[..., 1:, :]).abs().max() > 1e-2  # slots 2..K trained either way
-        assert torch.allclose(drafted[:, 1:], after[:, 1, 1:], atol=1e-4, rtol=1e-4)  # inference = training
-        moved[frozen] = (after[..., 0, :] - want).abs().max().item(), (drafted[:, 0] - out.logits[:, 7]).abs().max().item()
-    assert max(moved[True]) < 1e-4 and min(moved[False]) > 1e-2, moved
-    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
-    assert "layers.0.mlp.up_proj.weight" in trainable and "layers.0.attn.k_proj.weight" in trainable  # unfrozen run
-
-
-def test_frozen_anchor_needs_a_causal_shifted_anchor():
-    target = build_target("llama")
-    with pytest.raises(ValueError, match="frozen_anchor needs causal_anchor and shifted"):
-        BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True, frozen_anchor=True)
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
-                                                causal_anchor=True, frozen_anchor=True)
-    frozen = {n for n, p in drafter.named_parameters() if not p.requires_grad}
-    assert {"norm.weight", "layers.1.input_norm.weight", "layers.1.attn.k_proj.weight", "layers.1.attn.v_proj.weight",
-            "layers.1.attn.anchor_q_proj.weight", "layers.1.anchor_mlp.down_proj.weight"} <= frozen
-    assert not frozen & {"layers.1.attn.q_proj.weight", "layers.1.attn.o_proj.weight", "layers.1.mlp.gate_proj.weight"}
-
-
-def test_layerwise_config_errors():
-    target = build_target("llama")
-    with pytest.raises(ValueError, match="each of the 2 drafter layers reads one target hidden state"):
-        BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, target_layer_ids=[1, 2, 3])
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True)
-    assert drafter.target_layer_ids == (0, 1) and not hasattr(drafter, "fuse")
-    assert not any("fuse" in k for k in drafter.state_dict())

@@ -14,6 +14,7 @@ from conftest import tiny_target
 
 import experiments.evaluate as ev_cli
 import experiments.pipeline.evaluation as ev
+from drafters import DraftingPolicy, PolicyDrafter
 from drafters.model import BlockDiffusionDrafter
 from experiments.data.suites import Prompt
 from experiments.pipeline.records import TIMING_KEYS
@@ -369,31 +370,32 @@ def test_block_drafter_confidence_threshold(assets):
 
     target, _ = load_target(str(assets / "target"))
     plain = block_drafter(target, str(assets / "drafter"))
-    assert plain.drafter.confidence_threshold is None and "confidence_threshold" not in plain.info["config"]
+    assert plain.drafter.policy.confidence_threshold is None and "confidence_threshold" not in plain.info["config"]
     cut = block_drafter(target, str(assets / "drafter"), confidence_threshold=0.4)
-    assert cut.drafter.confidence_threshold == 0.4 and cut.info["config"]["confidence_threshold"] == 0.4
+    assert cut.drafter.policy.confidence_threshold == 0.4 and cut.info["config"]["confidence_threshold"] == 0.4
     with pytest.raises(ValueError, match=r"drafter.confidence_threshold=1.5"):
         block_drafter(target, str(assets / "drafter"), confidence_threshold=1.5)
     with pytest.raises(ValueError, match=r"drafter.follow_hint_min_ngram=2 needs drafter.follow_hint_after"):
         block_drafter(target, str(assets / "drafter"), follow_hint_min_ngram=2)
-    assert plain.drafter.config.refine_passes == 0 and plain.info["config"]["refine_passes"] == 0
+    assert plain.drafter.variant_names == () and plain.info["config"]["refine_passes"] == 0
     refined = block_drafter(target, str(assets / "drafter"), refine_passes=2)
-    assert refined.drafter.config.refine_passes == 2 and refined.info["config"]["refine_passes"] == 2
+    assert refined.drafter.variants["refine"].passes == 2 and refined.info["config"]["refine_passes"] == 2
+    assert block_drafter(target, str(assets / "drafter"), refine_passes=0).drafter.variant_names == ()
     with pytest.raises(ValueError, match=r"drafter.refine_passes=-1"):
         block_drafter(target, str(assets / "drafter"), refine_passes=-1)
-    assert plain.drafter.max_draft_tokens is None and "max_draft_tokens" not in plain.info["config"]
+    assert plain.drafter.policy.max_draft_tokens is None and "max_draft_tokens" not in plain.info["config"]
     short = block_drafter(target, str(assets / "drafter"), max_draft_tokens=3)
-    assert short.drafter.max_draft_tokens == 3 and short.info["config"]["max_draft_tokens"] == 3
+    assert short.drafter.policy.max_draft_tokens == 3 and short.info["config"]["max_draft_tokens"] == 3
     k = plain.drafter.num_draft_tokens
     with pytest.raises(ValueError, match=rf"drafter.max_draft_tokens={k + 1}: must be in 1..{k}"):
         block_drafter(target, str(assets / "drafter"), max_draft_tokens=k + 1)
-    assert plain.drafter.own_draft_tokens is None and "own_draft_tokens" not in plain.info["config"]
+    assert plain.drafter.policy.own_draft_tokens is None and "own_draft_tokens" not in plain.info["config"]
     narrow = block_drafter(target, str(assets / "drafter"), own_draft_tokens=2)
-    assert narrow.drafter.own_draft_tokens == 2 and narrow.info["config"]["own_draft_tokens"] == 2
+    assert narrow.drafter.policy.own_draft_tokens == 2 and narrow.info["config"]["own_draft_tokens"] == 2
     for bad in (0, k + 1):
         with pytest.raises(ValueError, match=rf"drafter.own_draft_tokens={bad}: must be in 1..{k}"):
             block_drafter(target, str(assets / "drafter"), own_draft_tokens=bad)
-    assert plain.drafter.min_drafting_rows is None and "min_drafting_rows" not in plain.info["config"]
+    assert plain.drafter.policy.min_drafting_rows is None and "min_drafting_rows" not in plain.info["config"]
     for bad in (0, 2):  # below 1, or without follow_hint_after=0
         with pytest.raises(ValueError, match=rf"drafter.min_drafting_rows={bad}: must be >= 1 and needs "
                                              r"drafter.follow_hint_after=0 \(got None\)"):
@@ -560,12 +562,12 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
 
     tok = _tokenizer()
     target = _target(tok)
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, block_size=K + 1, layerwise_context=True,
-                                                shifted=True, causal_anchor=True, frozen_anchor=True)
-    drafter.own_draft_tokens = 2
+    block = BlockDiffusionDrafter.from_target(target, num_layers=2, block_size=K + 1, layerwise_context=True,
+                                              shifted=True, causal_anchor=True, frozen_anchor=True)
+    drafter = PolicyDrafter(block, DraftingPolicy(own_draft_tokens=2))
     ms = draft_cost.measure(target, drafter, batch=2, context=12, widths=[1, 0], target_widths=[1, 3], rounds=4)
     assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}
-    assert all(v > 0 for v in ms.values()) and drafter.own_draft_tokens == 2
+    assert all(v > 0 for v in ms.values()) and drafter.policy.own_draft_tokens == 2
     with torch.inference_mode():
         cache, _, anchor_pos = draft_cost._prefill(target, drafter, 2, 12)
     assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]

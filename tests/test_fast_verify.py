@@ -7,7 +7,8 @@ import torch
 from conftest import left_padded_prompts, sampled_continuations_pvalue, tiny_target
 from transformers.cache_utils import DynamicLayer
 
-from drafters import BlockDiffusionDrafter
+from drafters import BlockDiffusionDrafter, DraftingPolicy, PolicyDrafter
+from drafters.policy import confident_width
 from experiments.bench.profiling import Variant, profile_decode, summarize_steps
 from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy
 from verify.generate import _is_plain_head, _verify_greedy_lazy
@@ -203,14 +204,14 @@ def test_confident_logits_equal_truncated_full_logits(threshold, expected_width)
     pos = _prefill(target, drafter, ids, mask)
     anchors = torch.tensor([5, 6, 7, 8])
     full = drafter.draft_logits(anchors, pos)
-    drafter.confidence_threshold = threshold
-    for guess in (0.0, 3.0, 20.0):  # whatever the first chunk, the same width and logits
-        drafter._width_mean = guess
-        got = drafter._confident_logits(drafter._draft_states(anchors, pos))
-        width = drafter.confident_width(full)
+    cut = PolicyDrafter(drafter, DraftingPolicy(confidence_threshold=threshold)) if 0 < threshold < 1 else None
+    width = confident_width(full, threshold)
+    for guess in (0.0, 3.0, 20.0) if cut else ():  # whatever the first chunk, the same width and logits
+        cut.width_mean = guess
+        got = cut.confident_logits(drafter.block_states(drafter.block_inputs(anchors, pos)))
         assert got.shape[1] == width
         torch.testing.assert_close(got, full[:, :width])
-        tokens, q = drafter.draft(anchors, pos)
+        tokens, q = cut.draft(anchors, pos)
         assert tokens.shape == (4, width) and q is None
     assert width == expected_width  # top-1 probabilities of this random drafter lie in 0.30..0.74
 
@@ -220,12 +221,12 @@ def test_confident_logits_equal_truncated_full_logits(threshold, expected_width)
 def test_truncated_drafts_keep_greedy_identity(family, threshold):
     target = tiny_target(family, vocab_size=64, seed=1)
     torch.manual_seed(7)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=6)
-    drafter.confidence_threshold = threshold
+    drafter = PolicyDrafter(BlockDiffusionDrafter.from_target(target, block_size=6),
+                            DraftingPolicy(confidence_threshold=min(threshold, 0.999)))
     ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20, eos_token_id=2))
-    if threshold > 1:  # nothing is ever drafted: one token per step
+    if threshold > 1:  # (0.999 here: above any top-1 probability of this drafter) nothing is drafted: one per step
         assert all(c == 0 for counts in out.accepted_counts for c in counts)
         assert out.num_target_forwards == out.num_new_tokens
 
@@ -242,7 +243,7 @@ def test_max_draft_tokens_drafts_the_first_slots_and_keeps_greedy_identity(width
     anchors = torch.tensor([5, 6, 7])
     full_tokens, _ = drafter.draft(anchors, pos)
     full_q = drafter.draft(anchors, pos, temperature=1.0, generator=torch.Generator().manual_seed(0))[1]
-    drafter.max_draft_tokens = width
+    drafter = PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=width))
     tokens, _ = drafter.draft(anchors, pos)
     q = drafter.draft(anchors, pos, temperature=1.0, generator=torch.Generator().manual_seed(0))[1]
     assert torch.equal(tokens, full_tokens[:, :width]) and q.shape == (3, width, 64)
@@ -257,16 +258,13 @@ def test_max_draft_tokens_drafts_the_first_slots_and_keeps_greedy_identity(width
 def test_max_draft_tokens_out_of_range_is_refused(width):
     target = tiny_target("llama", vocab_size=64, seed=1)
     drafter = BlockDiffusionDrafter.from_target(target, block_size=8)  # K = 7
-    ids, mask = left_padded_prompts([6], 64, seed=1)
-    pos = _prefill(target, drafter, ids, mask)
-    drafter.max_draft_tokens = width
-    with pytest.raises(ValueError, match=rf"max_draft_tokens={width}: must be in 1..K=7"):
-        drafter.draft(torch.tensor([5]), pos)
+    with pytest.raises(ValueError, match=rf"max_draft_tokens={width}: must be in 1..7"):
+        PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=width))
 
 
 class ConfidentPrefix:
     """Wraps a sampling drafter: keeps the leading drafts whose q has a top-1 probability >= threshold
-    (the widest prefix over rows), the rule of ``BlockDiffusionDrafter.confidence_threshold``."""
+    (the widest prefix over rows), the rule of ``DraftingPolicy.confidence_threshold``."""
 
     def __init__(self, inner, threshold):
         self.inner, self.threshold = inner, threshold

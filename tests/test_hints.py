@@ -5,6 +5,7 @@ import torch
 from conftest import left_padded_prompts, sampled_continuations_pvalue, tiny_target
 from test_drafter_model import _run_target, build_drafter, build_target
 
+from drafters import DraftingPolicy, PolicyDrafter
 from drafters.dflash import DFlashFormatError, export_dflash
 from drafters.hints import compact_rows, lookup_hints
 from verify import speculative_generate
@@ -72,16 +73,13 @@ def test_hinted_drafter_reads_the_loop_and_differs_from_mask():
     pos = torch.arange(13).view(1, 13)
     with torch.no_grad():
         hinted = drafter.forward_train(states, ids, pos, torch.tensor([[12]]))
-        drafter.config.lookup_hints = False
-        masked = drafter.forward_train(states, ids, pos, torch.tensor([[12]]))
-        drafter.config.lookup_hints = True
+        masked = drafter.without_variant("hints").forward_train(states, ids, pos, torch.tensor([[12]]))
     assert not torch.allclose(hinted, masked, atol=1e-3)
 
 
 def test_export_refuses_hinted_drafters(tmp_path):
     target = build_target("qwen2")
-    drafter = build_drafter(target, "dflash", block_size=4)
-    drafter.config.lookup_hints = True
+    drafter = build_drafter(target, "hints", block_size=4)
     with pytest.raises(DFlashFormatError, match="lookup_hints"):
         export_dflash(drafter, tmp_path / "out")
 
@@ -136,211 +134,6 @@ def test_bench_hints_counts_each_anchors_accepts():
         {"ngram": 3, "blocks": 2, "hint_mean_accept": 2.0, "drafter_mean_accept": 2.0}]
     # row 1: accept 3 at its first anchor -> 4 tokens, then accept 1 -> 2 (the row's end); row 2: 1 + 1
     assert replay_tau(torch.tensor([3, 0, 0, 0, 1, 0, 0, 0]), [6, 2]) == 8 / 4
-
-
-@pytest.mark.parametrize("m", [0, 1])
-def test_follow_hint_after_keeps_greedy_identity_and_copies_loops(m):
-    """follow_hint_after: the output is still the target's greedy output, and on prompts that repeat
-    themselves the copied hints change what is drafted (and accepted)."""
-    target = tiny_target("llama", vocab_size=64)
-    torch.manual_seed(7)
-    drafter = build_drafter(target, "hinted", block_size=5)
-    loops, _ = left_padded_prompts([4], 64, seed=3)
-    ids = torch.cat([loops.repeat(1, 3), loops[:, :2]], 1).repeat(2, 1)  # (2, 14): two rows that loop
-    ref = target.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0)
-    plain = speculative_generate(target, drafter, ids, max_new_tokens=20)
-    drafter.follow_hint_after = m
-    followed = speculative_generate(target, drafter, ids, max_new_tokens=20)
-    assert torch.equal(followed.sequences, ref) and torch.equal(plain.sequences, ref)
-    assert followed.accepted_counts != plain.accepted_counts
-
-
-@pytest.mark.parametrize("threshold, width, own", [(None, None, None), (0.2, None, None), (None, 2, None), (None, None, 1)])
-def test_follow_hint_after_keeps_the_target_distribution(threshold, width, own):
-    """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, a hinted
-    drafter copying the hint wherever an n-gram matches (one-hot q) and sampling elsewhere (with a
-    confidence threshold: only the confident prefix in steps where no row copies; with max_draft_tokens:
-    the first 2 slots of every block, copied hints included; with own_draft_tokens = 1: the drafter samples
-    slot 1 only and proposes its hint past it where another row copies)."""
-    length, batches, rows = 3, 60, 40
-    target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
-    torch.manual_seed(3)
-    drafter = build_drafter(target, "hinted", block_size=4)
-    drafter.follow_hint_after, drafter.confidence_threshold, drafter.max_draft_tokens = 0, threshold, width
-    drafter.own_draft_tokens = own
-    prompt = [5, 3, 6, 5, 3]  # "5 3" recurs: the first block is the hint 6 5 3
-    pvalue, accepted = sampled_continuations_pvalue(target, drafter, prompt, length, batches, rows)
-    assert accepted > 0
-    assert pvalue > 1e-3
-
-
-def _first_draft(drafter, target, ids):  # (1, T) -> (1, K): the greedy draft with ids[:, -1] as the anchor
-    states = _run_target(target, ids[:, :-1])
-    t = ids.shape[1] - 1
-    drafter.reset(1)
-    drafter.extend(ids[:, :-1], torch.ones(1, t, dtype=torch.long), torch.arange(t).view(1, t),
-                   [states[i] for i in drafter.target_layer_ids])
-    return drafter.draft(ids[:, -1], torch.tensor([t]))[0]
-
-
-def test_follow_hint_min_ngram_copies_only_hints_from_long_enough_matches():
-    """follow_hint_min_ngram = 2: a hint found from the anchor token alone is not copied (the drafter's own
-    block is drafted), one found from two tokens is; min_ngram = 1 copies both."""
-    target = build_target("llama")
-    torch.manual_seed(4)
-    drafter = build_drafter(target, "hinted", block_size=5).eval()
-    drafter.follow_hint_after = 0
-    one_token = torch.tensor([[10, 11, 12, 13, 20, 21, 11]])  # "11" recurs, "21 11" does not: hint 12 13 20 21
-    two_tokens = torch.tensor([[10, 11, 12, 13, 20, 10, 11]])  # "10 11" recurs: hint 12 13 20 10
-    with torch.no_grad():
-        own = _first_draft(drafter, target, one_token)  # follow_hint_min_ngram defaults to 1: copied
-        assert own.tolist() == [[12, 13, 20, 21]]
-        drafter.follow_hint_min_ngram = 2
-        mine = _first_draft(drafter, target, one_token)
-        drafter.follow_hint_after = None
-        assert torch.equal(mine, _first_draft(drafter, target, one_token))  # the drafter's own argmax block
-        assert mine.tolist() != [[12, 13, 20, 21]]
-        drafter.follow_hint_after = 0
-        assert _first_draft(drafter, target, two_tokens).tolist() == [[12, 13, 20, 10]]
-        drafter.max_draft_tokens = 2  # the copied hint is cut like the drafter's own block
-        assert _first_draft(drafter, target, two_tokens).tolist() == [[12, 13]]
-
-
-def test_follow_hint_with_confidence_threshold_drafts_whole_hints_and_confident_prefixes():
-    """With confidence_threshold too: a step where a row copies its hint drafts K slots (the hint whole);
-    a step where none does drafts the confident prefix only (here none: an untrained drafter is unsure)."""
-    target = build_target("llama")
-    torch.manual_seed(4)
-    drafter = build_drafter(target, "hinted", block_size=5).eval()
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram, drafter.confidence_threshold = 0, 2, 0.99
-    with torch.no_grad():
-        assert _first_draft(drafter, target, torch.tensor([[10, 11, 12, 13, 20, 10, 11]])).tolist() == [[12, 13, 20, 10]]
-        assert _first_draft(drafter, target, torch.tensor([[10, 11, 12, 13, 20, 21, 11]])).shape == (1, 0)
-
-
-
-def _two_rows_one_copying(design: str = "hinted", **kwargs):
-    """``(drafter, anchors, positions)``: a drafter (block 5, follow_hint_after 0, min n-gram 2) over two rows
-    after their context: row 0's hint "12 13 20 10" rests on "10 11" and is copied, row 1's on "11" alone."""
-    target = build_target("llama")
-    torch.manual_seed(4)
-    drafter = build_drafter(target, design, block_size=5, **kwargs).eval()
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    ids = torch.tensor([[10, 11, 12, 13, 20, 10, 11], [10, 11, 12, 13, 20, 21, 11]])
-    states = _run_target(target, ids[:, :-1])
-    drafter.reset(2)
-    drafter.extend(ids[:, :-1], torch.ones(2, 6, dtype=torch.long), torch.arange(6).repeat(2, 1),
-                   [states[i] for i in drafter.target_layer_ids])
-    return drafter, ids[:, -1], torch.tensor([6, 6])
-
-
-@pytest.mark.parametrize("refine_passes", [0, 2])
-def test_rows_that_copy_their_hint_skip_the_drafters_passes(refine_passes):
-    """follow_hint_after = 0: which rows copy their hint is known before the drafter runs, so its passes
-    and head run on the other rows only, with the drafts and q of a pass over the whole batch."""
-    from verify.rejection import warp_probs
-
-    drafter, anchors, positions = _two_rows_one_copying(refine_passes=refine_passes)
-    passes, block_pass = [], drafter._block_pass
-    drafter._block_pass = lambda block_ids, *rest: passes.append(block_ids.shape[0]) or block_pass(block_ids, *rest)
-    with torch.no_grad():
-        greedy, _ = drafter.draft(anchors, positions)
-        assert passes == [1] * (refine_passes + 1)  # row 1 only
-        sampled, q = drafter.draft(anchors, positions, temperature=1.0, generator=torch.Generator().manual_seed(0))
-        full = drafter.draft_logits(anchors, positions)  # (2, K, V): every row through the drafter
-        assert greedy[0].tolist() == [12, 13, 20, 10] and sampled[0].tolist() == [12, 13, 20, 10]
-        assert torch.equal(greedy[1], full[1].argmax(-1)) and not torch.equal(greedy[1], greedy[0])
-        assert torch.equal(q[0], torch.nn.functional.one_hot(greedy[0], q.shape[-1]).float())
-        torch.testing.assert_close(q[1], warp_probs(full[1:], temperature=1.0)[0])
-        passes.clear()
-        drafter.follow_hint_min_ngram = 1  # both rows copy: no pass at all
-        assert drafter.draft(anchors, positions)[0].tolist() == [[12, 13, 20, 10], [12, 13, 20, 21]]
-        assert passes == []
-
-def test_min_drafting_rows_skips_the_drafter_where_too_few_rows_draft():
-    """min_drafting_rows = 2 with one drafting row: no pass at all, row 0 copies its 2-gram hint and row 1 its
-    1-gram hint (labelled hint:prompt); min_drafting_rows = 1 is the plain rule; a row with no hint copies MASK
-    tokens and is labelled hint:none."""
-    drafter, anchors, positions = _two_rows_one_copying()
-    passes, block_pass = [], drafter._block_pass
-    drafter._block_pass = lambda block_ids, *rest: passes.append(block_ids.shape[0]) or block_pass(block_ids, *rest)
-    with torch.no_grad():
-        drafter.min_drafting_rows = 1
-        plain, _ = drafter.draft(anchors, positions)
-        assert passes == [1] and drafter.draft_sources() == ["hint:prompt", "drafter"]
-        passes.clear()
-        drafter.min_drafting_rows = 2
-        gated, q = drafter.draft(anchors, positions, temperature=1.0, generator=torch.Generator().manual_seed(0))
-        assert passes == [] and drafter.draft_sources() == ["hint:prompt", "hint:prompt"]
-        assert gated.tolist() == [[12, 13, 20, 10], [12, 13, 20, 21]] and gated[0].tolist() == plain[0].tolist()
-        assert torch.equal(q, torch.nn.functional.one_hot(gated, q.shape[-1]).float())
-        drafter._block_hints[1][1] = 0  # as if row 1 had no match: its MASK hint is copied, labelled hint:none
-        drafter._block_hints[0][1] = drafter.config.mask_token_id
-        assert drafter._propose(torch.zeros(2, 4, q.shape[-1]), drafter._copied_rows(), True, 4, 0.0, None, None,
-                                None)[0][1].tolist() == [drafter.config.mask_token_id] * 4
-        assert drafter._label_rows(drafter._copied_rows(), 2) == ["hint:prompt", "hint:none"]
-
-
-@pytest.mark.parametrize("rows", [2, 4])
-def test_min_drafting_rows_keeps_greedy_identity(rows):
-    target = tiny_target("llama", vocab_size=64)
-    torch.manual_seed(7)
-    drafter = build_drafter(target, "hinted", block_size=5)
-    prompts, mask = left_padded_prompts([6, 12, 9], 64, seed=5)
-    ids = torch.cat([prompts, prompts[:, -4:]], 1)
-    mask = torch.cat([mask, torch.ones_like(mask[:, -4:])], 1)
-    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    plain = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
-    drafter.min_drafting_rows = rows
-    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
-    assert torch.equal(out.sequences, ref) and torch.equal(plain.sequences, ref)
-    assert out.accepted_counts != plain.accepted_counts  # some step skipped the drafter
-    if rows > 3:  # more than the batch: the drafter never drafts
-        assert all(s != "drafter" for step in out.draft_sources for s in step)
-
-
-def test_own_draft_tokens_runs_a_narrow_block_and_proposes_hints_past_it():
-    """own_draft_tokens = 2 (K = 4): the drafter's layers run on [anchor, slot 1, slot 2] only; slot 1 is the
-    whole block's (causal anchor) and slot 2 the narrow block's own argmax; where another row copies its hint
-    the step keeps K slots and the drafter's row proposes its own hint at slots 3..4 (one-hot q), where no
-    row copies it drafts 2 slots."""
-    drafter, anchors, positions = _two_rows_one_copying("deep")
-    widths, block_pass = [], drafter._block_pass
-    drafter._block_pass = lambda block_ids, *rest: widths.append(tuple(block_ids.shape)) or block_pass(block_ids, *rest)
-    with torch.no_grad():
-        full = drafter.draft_logits(anchors, positions).argmax(-1)  # (2, K): the whole block, every row
-        narrow = drafter._head(drafter._block_states(drafter._block_inputs(anchors, positions, 2))).argmax(-1)
-        widths.clear()
-        drafter.own_draft_tokens = 2
-        greedy, _ = drafter.draft(anchors, positions)
-        assert widths == [(1, 3)]  # row 1 only, 3 columns
-        assert greedy[0].tolist() == [12, 13, 20, 10]
-        assert greedy[1, 0] == full[1, 0] and greedy[1, :2].tolist() == narrow[1].tolist()
-        assert greedy[1, 2:].tolist() == [20, 21]  # row 1's prompt-lookup hint "12 13 20 21", slots 3..4
-        sampled, q = drafter.draft(anchors, positions, temperature=1.0, generator=torch.Generator().manual_seed(0))
-        assert sampled[1, 2:].tolist() == [20, 21]
-        assert torch.equal(q[1, 2:], torch.nn.functional.one_hot(torch.tensor([20, 21]), q.shape[-1]).float())
-        drafter.follow_hint_min_ngram = 3  # no row copies: the drafter's 2 slots, every row through it
-        mine, _ = drafter.draft(anchors, positions)
-        assert mine.tolist() == narrow.tolist() and widths[-1] == (2, 3)
-
-
-@pytest.mark.parametrize("threshold, own", [(None, None), (0.05, None), (None, 2)])
-def test_follow_hint_min_ngram_keeps_greedy_identity(threshold, own):
-    target = tiny_target("llama", vocab_size=64)
-    torch.manual_seed(7)
-    drafter = build_drafter(target, "hinted", block_size=5)
-    drafter.confidence_threshold, drafter.own_draft_tokens = threshold, own
-    prompts, mask = left_padded_prompts([6, 12, 9], 64, seed=5)
-    ids = torch.cat([prompts, prompts[:, -4:]], 1)  # the last tokens recur: long and short matches
-    mask = torch.cat([mask, torch.ones_like(mask[:, -4:])], 1)
-    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
-    plain = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20)
-    assert torch.equal(out.sequences, ref) and torch.equal(plain.sequences, ref)
-    assert out.accepted_counts != plain.accepted_counts  # some hint was copied
 
 
 # ---- store hints: the weak slots read an n-gram store of the training answers -------------------------
@@ -409,7 +202,7 @@ def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path
 
     target = build_target("llama")
     torch.manual_seed(1)
-    drafter = build_drafter(target, "hinted", block_size=5, store_hints=True)
+    drafter = build_drafter(target, "hinted", block_size=5, store_hints=True).eval()
     drafter.hint_store = HintStore([([7, 8, 9, 20, 21, 22, 23, 24], 3), ([7, 8, 6, 30, 31, 32, 33, 34], 3)])
     ones = lambda ids: torch.ones_like(ids, dtype=torch.bool)
     two = torch.tensor([[10, 11, 12, 13, 20, 10, 11]])  # "10 11" recurs: prompt lookup's 12 13 20 10 stays
@@ -422,7 +215,7 @@ def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path
         assert drafter.slot_ids(ids, ones(ids), torch.tensor([[ids.shape[1] - 1]])).tolist() == [[want]]
     drafter.save_pretrained(tmp_path / "d")
     loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
-    assert loaded.hint_store.rows == drafter.hint_store.rows and loaded.config.store_hints
+    assert loaded.hint_store.rows == drafter.hint_store.rows and "store_hints" in loaded.variant_names
     assert loaded.slot_ids(one, ones(one), torch.tensor([[7]])).tolist() == [[expected[1]]]
     states = _run_target(target, one)
     drafter.train()
@@ -445,8 +238,8 @@ def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
     answer = ref[1, prompts.shape[1]:].tolist()  # row 1's greedy answer (its prompt is unpadded)
     drafter = build_drafter(target, "hinted", block_size=5, store_hints=True)
     drafter.hint_store = HintStore([(prompts[1].tolist() + answer, prompts.shape[1]), ([3, 4, 5, 6], 2)])
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    out = speculative_generate(target, drafter, prompts, attention_mask=mask, max_new_tokens=16)
+    copying = PolicyDrafter(drafter.eval(), DraftingPolicy(follow_hint_after=0, follow_hint_min_ngram=2))
+    out = speculative_generate(target, copying, prompts, attention_mask=mask, max_new_tokens=16)
     assert torch.equal(out.sequences, ref)
     assert max(out.accept_histogram[4:]) > 0  # a whole block of the stored answer was accepted
     # every step is labelled; row 1 (the stored prompt) copies the store's hint and keeps more drafts per such
@@ -465,7 +258,7 @@ def test_store_hints_keep_the_target_distribution():
     torch.manual_seed(3)
     drafter = build_drafter(target, "hinted", block_size=4, store_hints=True)
     drafter.hint_store = HintStore([([1, 2, 5, 3, 6, 2, 4, 7, 1, 6], 2), ([4, 4, 3, 6, 5, 0, 2], 2)])
-    drafter.follow_hint_after, drafter.follow_hint_min_ngram = 0, 2
-    pvalue, accepted = sampled_continuations_pvalue(target, drafter, [7, 5, 3, 6], 3, 60, 40)
+    copying = PolicyDrafter(drafter.eval(), DraftingPolicy(follow_hint_after=0, follow_hint_min_ngram=2))
+    pvalue, accepted = sampled_continuations_pvalue(target, copying, [7, 5, 3, 6], 3, 60, 40)
     assert accepted > 0
     assert pvalue > 1e-3

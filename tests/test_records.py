@@ -107,8 +107,8 @@ def test_init_from_refuses_a_sibling_target_unless_allowed(env):
 def test_resume_refuses_other_weights_and_accepts_a_legacy_checkpoint(env):
     target, _ = load_target(str(env["target"]))
     sibling, _ = load_target(str(env["other"]))
-    saved = BlockDiffusionDrafter.from_target(target, block_size=4).config.to_dict()
-    current = BlockDiffusionDrafter.from_target(sibling, block_size=4).config
+    saved = BlockDiffusionDrafter.from_target(target, block_size=4).saved_config()
+    current = BlockDiffusionDrafter.from_target(sibling, block_size=4).saved_config()
     with pytest.raises(ValueError, match="checkpoint was trained for another target.*weights_sha1"):
         check_same_config(saved, current)
     legacy = {**saved, "target_fingerprint": {k: v for k, v in saved["target_fingerprint"].items()

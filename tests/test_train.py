@@ -231,12 +231,13 @@ def test_hinted_drafter_trains_and_evaluates(env, store_hints):
 
     target, _ = load_target(str(env["target"]))
     drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=target)
-    cfg = drafter.config
-    assert (cfg.layerwise_context, cfg.shifted, cfg.num_layers, cfg.target_layer_ids) == (True, True, 2, (0, 1))
-    assert (cfg.lookup_hints, cfg.lookup_max_ngram) == (True, 3)
+    cfg, variants = drafter.config, drafter.variants
+    assert variants["layerwise"].shifted and (cfg.num_layers, cfg.target_layer_ids) == (2, (0, 1))
+    assert variants["hints"].max_ngram == 3
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["steps"] == 2
-    assert cfg.store_hints == store_hints and (run_dir / "drafter" / "hint_store.safetensors").is_file() == store_hints
+    assert ("store_hints" in variants) == store_hints
+    assert (run_dir / "drafter" / "hint_store.safetensors").is_file() == store_hints
     if store_hints:  # the training rows' answers, never the validation rows'
         assert len(drafter.hint_store.rows) == summary["train_rows"]
     results = json.loads((run_dir / "results.json").read_text())

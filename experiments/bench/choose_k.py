@@ -4,7 +4,7 @@
         [--assistant <HF folder>] [--ks 2 3 4 5 7 10 15] [--out runs/choose_k.json]
 
 On greedy data the stored answers are the target's own greedy output, so a drafter's τ at T=0 on them is exact
-without running the target: prompt lookup is replayed (:func:`experiments.bench.lookup.replay`), the assistant's
+without running the target: prompt lookup is replayed (:func:`experiments.bench.lookup_replay`), the assistant's
 drafts are its teacher-forced argmax (right while the earlier drafts were right; :func:`leading_correct`). A step
 costs the target's forward over K + 1 new columns plus the drafting (the assistant: K one-token forwards), timed at
 batch 1 over a 200-column cache, interleaved round by round. The estimated speedup over the target alone is

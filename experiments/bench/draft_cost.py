@@ -7,7 +7,7 @@ widths a step verifies, interleaved in one process.
 The arguments are ``experiments.evaluate``'s overrides (``num_threads=2`` unless given); the drafter is built as the
 evaluation builds it. One batch of ``--batch`` rows of ``--context`` random tokens (seeded) is prefilled through the
 target, its KV cache offered to the drafter and its hidden states handed over, as :func:`verify.speculative_generate`
-does. Then, round after round, each ``draft`` at ``drafter.own_draft_tokens`` = each of ``--widths`` (0: the whole
+does. Then, round after round, each ``draft`` under ``own_draft_tokens`` = each of ``--widths`` (0: the whole
 block), and each target forward over ``--target-widths`` new columns of that cache (cropped back after each: a
 1-column forward is one target-only decoding step). Random tokens match no n-gram, so no row copies a hint: these are
 the steps where the drafter drafts. Medians over rounds, the first 3 left out; wall ms.
@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
+from drafters.policy import DraftingPolicy, PolicyDrafter
 from experiments.bench import evaluation_config, with_defaults, write_record
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter
@@ -52,9 +54,12 @@ def measure(target, drafter, *, batch: int, context: int, widths, target_widths,
         cache, anchor, anchor_pos = _prefill(target, drafter, batch, context)
         columns = cache.get_seq_length()
 
+        inner = getattr(drafter, "drafter", drafter)  # a PolicyDrafter's block drafter
+        policy = getattr(drafter, "policy", DraftingPolicy())
+        narrowed = {w: PolicyDrafter(inner, replace(policy, own_draft_tokens=w or None)) for w in widths}
+
         def draft(w):
-            drafter.own_draft_tokens = w or None
-            drafter.draft(anchor, anchor_pos)
+            narrowed[w].draft(anchor, anchor_pos)
 
         def forward(n):
             ids = torch.randint(3, vocab, (batch, n), device=anchor.device)
@@ -66,15 +71,11 @@ def measure(target, drafter, *, batch: int, context: int, widths, target_widths,
         cases = {f"draft W'={w}" if w else "draft whole block": (draft, w) for w in widths}
         cases |= {f"target {n} column{'s' * (n > 1)}": (forward, n) for n in target_widths}
         times: dict[str, list[float]] = {name: [] for name in cases}
-        own = drafter.own_draft_tokens
-        try:
-            for _ in range(rounds):
-                for name, (run, arg) in cases.items():
-                    start = time.perf_counter()
-                    run(arg)
-                    times[name].append(1e3 * (time.perf_counter() - start))
-        finally:
-            drafter.own_draft_tokens = own
+        for _ in range(rounds):
+            for name, (run, arg) in cases.items():
+                start = time.perf_counter()
+                run(arg)
+                times[name].append(1e3 * (time.perf_counter() - start))
     return {name: statistics.median(ts[SKIP:] or ts) for name, ts in times.items()}
 
 

@@ -43,7 +43,8 @@ def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -
     """Hint accepts, drafter accepts, how many leading slots the drafter's argmax agrees with a found hint,
     and the length of the hint's n-gram match (0: none found), one entry per response anchor of ``rows``
     (row by row, anchors in order): four (N,)."""
-    cfg, out = drafter.config, []
+    hinted = drafter.variants.get("hints")
+    max_ngram, out = hinted.max_ngram if hinted is not None else 3, []
     for s in range(0, len(rows), 8):
         b = collate(rows[s: s + 8])
         lo, length = b["prompt_len"], b["length"]
@@ -55,7 +56,7 @@ def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -
             logits = drafter.forward_train(b["features"], b["input_ids"], None, anchors, amask, b["attention_mask"])
             labels, mask = drafter.block_labels(b["input_ids"], anchors, amask, b["attention_mask"])  # (Bt, A, K)
             hints, ngram = lookup_hints(b["input_ids"], b["attention_mask"].bool(), anchors,
-                                        cfg.num_draft_tokens, cfg.lookup_max_ngram or 3)
+                                        drafter.num_draft_tokens, max_ngram)
             found = ngram > 0
             guess = logits.argmax(-1)  # (Bt, A, K)
             chunks.append((correct_prefix(hints, labels, mask) * found, correct_prefix(guess, labels, mask),
@@ -116,14 +117,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default=str(TINY_TARGET_DIR))
     p.add_argument("--val-rows", type=int, default=64)
     p.add_argument("--refine-passes", type=int, default=None,
-                   help="passes with the drafter's own argmax in the slots (config.refine_passes); default: as trained")
+                   help="passes with the drafter's own argmax in the slots (the refine variant's); default: as trained")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--out", default="runs/bench_hints.json")
     args = p.parse_args(argv)
     target = load_target(args.target)[0]
     drafter = BlockDiffusionDrafter.from_pretrained(args.drafter, target)  # eval mode
     if args.refine_passes is not None:
-        drafter.config.refine_passes = args.refine_passes
+        drafter = (drafter.with_variant("refine", passes=args.refine_passes) if args.refine_passes
+                   else drafter.without_variant("refine"))
     store = FeatureStore(ensure_features(target, args.data_dir, drafter.target_layer_ids, max_length=args.max_length))
     data = load_regenerated(args.data_dir)
     # the rows training validates on (drafters.data: held out by id hash, the first max_val_samples by hash)
@@ -138,12 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
     rules = {"hint": hint, "drafter": draft,
              **{f"follow_hint_after_{m}": follow_hint_after(hint, draft, agree, ngram, m) for m in (0, 1, 2, 3, 4)},
              **{f"follow_hint_min_ngram_{n}": follow_hint_after(hint, draft, agree, ngram, 0, n)
-                for n in range(2, (drafter.config.lookup_max_ngram or 3) + 1)},
+                for n in range(2, (drafter.variants["hints"].max_ngram if "hints" in drafter.variants else 3) + 1)},
              "best_of_both": torch.maximum(hint, draft)}  # the oracle: not a rule, a bound on any switch
     k = drafter.config.num_draft_tokens
     result = {"config": {**vars(args), "drafter": runs_path(args.drafter), "data_dir": cache_path(args.data_dir),
                          "target": portable_path(args.target)},
-              "lookup_hints": bool(drafter.config.lookup_hints), "blocks": int(hint.numel()),
+              "lookup_hints": "hints" in drafter.variants, "blocks": int(hint.numel()),
               "tau": {k: round(replay_tau(v, per_row), 3) for k, v in rules.items()},
               "mean_accept": {k: round(float(v.float().mean()), 3) for k, v in rules.items()},
               "by_hint_accept": by_hint(hint, draft, k), "by_ngram": by_ngram(hint, draft, ngram)}

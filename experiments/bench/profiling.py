@@ -81,7 +81,7 @@ class StepClock:
 
 @contextlib.contextmanager
 def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
-    """Time the drafter's layers (``drafter._block_states``) and the target's LM head (which the drafter
+    """Time the drafter's layers (``drafter.block_states``) and the target's LM head (which the drafter
     shares; its forward, and its weight applied by :func:`verify.hf.linear_logits`) as sub-parts."""
     patched: list[tuple[object, str]] = []
 
@@ -103,8 +103,9 @@ def timed_parts(clock: StepClock, drafter, target) -> Iterator[None]:
     if head is not None:
         wrap(head, "forward", "lm_head")
     wrap(verify.hf, "linear_logits", "lm_head")  # the head's weight applied by the verifier or a drafter
-    if drafter is not None and hasattr(drafter, "_block_states"):
-        wrap(drafter, "_block_states", "draft_states")
+    drafter = getattr(drafter, "drafter", drafter)  # a PolicyDrafter's block drafter
+    if drafter is not None and hasattr(drafter, "block_states"):
+        wrap(drafter, "block_states", "draft_states")
     try:
         yield
     finally:

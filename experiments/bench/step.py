@@ -28,14 +28,15 @@ two versions of the code, run each checkout under its own label into the same fi
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from drafters.model import BlockDiffusionDrafter
+from drafters.policy import DraftingPolicy, PolicyDrafter
 from experiments.bench import drafter_factory
 from experiments.bench.profiling import (
     TARGET_ONLY,
@@ -203,11 +204,10 @@ def _drafter_card(path: str | None) -> dict | None:
 
 
 def _with_threshold(drafter, threshold: float):
-    """A shallow copy of ``drafter`` (sharing its weights and target) that truncates drafts at
-    ``threshold`` (:attr:`drafters.model.BlockDiffusionDrafter.confidence_threshold`)."""
-    clone = copy.copy(drafter)
-    clone.confidence_threshold = threshold
-    return clone
+    """``drafter`` (its weights, target and other policy settings) truncating drafts at ``threshold``
+    (:attr:`drafters.policy.DraftingPolicy.confidence_threshold`)."""
+    policy = getattr(drafter, "policy", DraftingPolicy())
+    return PolicyDrafter(getattr(drafter, "drafter", drafter), replace(policy, confidence_threshold=threshold))
 
 
 def format_table(run: dict, suffix: str = "cpu_ms") -> str:

@@ -126,16 +126,18 @@ class OneProductHead:
     def draft(self, *args, **kwargs):
         inner = self.inner
 
-        def head(states):
+        def head(states, vocab_ids=None):
+            if vocab_ids is not None:
+                raise ValueError("OneProductHead times drafting: the full vocabulary only")
             module = inner.target.get_output_embeddings()
-            rows, n, width = states.shape
-            return module(states.reshape(rows * n, width).to(module.weight.dtype)).view(rows, n, -1).float()
+            out = module(states.reshape(-1, states.shape[-1]).to(module.weight.dtype))
+            return out.view(*states.shape[:-1], out.shape[-1]).float()
 
-        inner._head = head  # an instance attribute shadows the method for this draft
+        object.__setattr__(inner, "head", head)  # an instance attribute shadows the method for this draft
         try:
             return inner.draft(*args, **kwargs)
         finally:
-            del inner._head
+            object.__delattr__(inner, "head")
 
 
 def build(args):

@@ -28,6 +28,8 @@ from drafters.data import load_regenerated
 from drafters.hints import HintStore
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import BlockDiffusionDrafter
+from drafters.policy import DraftingPolicy, PolicyDrafter
+from drafters.variants import flat_settings
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.hf import output_vocab_size
@@ -69,51 +71,42 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                   hint_data_dir: str | None = None, share_target_cache: bool = True,
                   own_draft_tokens: int | None = None, min_drafting_rows: int | None = None,
                   allow_other_target: bool = False) -> EvalDrafter:
-    """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target``.
+    """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target`` and
+    drafting under the decoding policy of the other arguments (:class:`drafters.policy.DraftingPolicy`, which
+    documents and checks them; all exact).
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
-    ``confidence_threshold``: draft only the prefix whose top-1 drafter probability stays above it
-    (:attr:`BlockDiffusionDrafter.confidence_threshold`; exact; None = always the whole block).
-    ``follow_hint_after``: hinted drafters draft the lookup hint's block where the drafter agrees with it
-    on that many leading slots (:attr:`BlockDiffusionDrafter.follow_hint_after`; exact; None = never),
-    and only where the hint's n-gram match is at least ``follow_hint_min_ngram`` tokens long.
-    ``refine_passes``: replaces the saved drafter's ``config.refine_passes`` (passes with its own argmax
-    in the block slots; None = as trained). ``max_draft_tokens``: verify only the first W of the K drafted
-    slots in every step (:attr:`BlockDiffusionDrafter.max_draft_tokens`; exact; None = all K).
-    ``hint_data_dir``: drafters trained with ``store_hints`` read their hints from every answer of this
-    regenerated data folder instead of the store saved with them (None = the saved store).
-    ``share_target_cache``: read the context keys/values from the target's KV cache where they are the same
-    numbers (:attr:`BlockDiffusionDrafter.share_target_cache`; the drafts do not change, only the time).
-    ``own_draft_tokens``: the drafter's layers compute only slots 1..W' (a block of W' + 1 columns), and the
-    step verifies W' slots unless some row copies its hint (:attr:`BlockDiffusionDrafter.own_draft_tokens`;
-    exact; None = all K). ``min_drafting_rows``: with ``follow_hint_after=0``, run the drafter's layers only in
-    steps where at least this many rows draft (else every row copies its hint;
-    :attr:`BlockDiffusionDrafter.min_drafting_rows`; exact; None = whenever one does).
+    ``refine_passes``: the drafter's refinement passes at decoding time (the ``refine`` variant's
+    ``passes``; 0 drops the variant; None = as trained). ``hint_data_dir``: drafters with the ``store_hints``
+    variant read their hints from every answer of this regenerated data folder instead of the store saved
+    with them (None = the saved store).
     ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
     """
-    if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
-        raise ValueError(f"drafter.confidence_threshold={confidence_threshold}: must be in (0, 1) or null")
     directory, drafter = _load_block_drafter(target, path, allow_other_target)
-    _check_block_settings(drafter, path, follow_hint_after, follow_hint_min_ngram, max_draft_tokens, own_draft_tokens,
-                          min_drafting_rows)
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
-        drafter.config.refine_passes = refine_passes
+        drafter = drafter.with_variant("refine", passes=refine_passes) if refine_passes else drafter.without_variant("refine")
     if hint_data_dir is not None:
         _replace_hint_store(drafter, hint_data_dir, path)
-    drafter.confidence_threshold, drafter.follow_hint_after = confidence_threshold, follow_hint_after
-    drafter.follow_hint_min_ngram, drafter.max_draft_tokens = follow_hint_min_ngram, max_draft_tokens
-    drafter.share_target_cache, drafter.own_draft_tokens = share_target_cache, own_draft_tokens
-    drafter.min_drafting_rows = min_drafting_rows
+    policy = DraftingPolicy(max_draft_tokens=max_draft_tokens, own_draft_tokens=own_draft_tokens,
+                            confidence_threshold=confidence_threshold, follow_hint_after=follow_hint_after,
+                            follow_hint_min_ngram=follow_hint_min_ngram, min_drafting_rows=min_drafting_rows,
+                            share_target_cache=share_target_cache)
+    try:
+        wrapped = PolicyDrafter(drafter, policy)
+    except ValueError as e:
+        raise ValueError(f"{e} [drafter.path={path}]") from e
+    store = getattr(drafter, "hint_store", None)
     settings = {"confidence_threshold": confidence_threshold, "follow_hint_after": follow_hint_after,
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
                 "max_draft_tokens": max_draft_tokens, "own_draft_tokens": own_draft_tokens, "hint_data_dir": hint_data_dir,
                 "min_drafting_rows": min_drafting_rows, "allow_other_target": True if allow_other_target else None,
                 "share_target_cache": None if share_target_cache else False,
-                "hint_store_answers": len(drafter.hint_store.rows) if drafter.hint_store is not None else None}
-    config = drafter.config.to_dict() | {k: v for k, v in settings.items() if v is not None}
-    return EvalDrafter(drafter, {
+                "hint_store_answers": len(store.rows) if store is not None else None}
+    config = (drafter.config.to_dict() | flat_settings(drafter.variants)
+              | {k: v for k, v in settings.items() if v is not None})
+    return EvalDrafter(wrapped, {
         "name": name,
         "kind": "block",
         "path": str(directory),
@@ -123,29 +116,6 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "training_run": training_run_info(directory.parent),
         "description": None,
     })
-
-
-def _check_block_settings(drafter, path: str, follow_hint_after, follow_hint_min_ngram: int, max_draft_tokens,
-                          own_draft_tokens, min_drafting_rows) -> None:
-    """Refuse :func:`block_drafter`'s settings that ``drafter`` (loaded from ``path``) cannot take, naming the key."""
-    if follow_hint_after is not None and (follow_hint_after < 0 or not drafter.config.lookup_hints):
-        raise ValueError(f"drafter.follow_hint_after={follow_hint_after}: needs m >= 0 and a drafter trained with "
-                         f"lookup hints (drafter=hinted; {path} has lookup_hints={drafter.config.lookup_hints})")
-    if follow_hint_min_ngram != 1 and follow_hint_after is None:
-        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram} needs drafter.follow_hint_after (it "
-                         "only narrows where the hint is copied)")
-    if not 1 <= follow_hint_min_ngram <= drafter.config.lookup_max_ngram:
-        raise ValueError(f"drafter.follow_hint_min_ngram={follow_hint_min_ngram}: must be in 1..{drafter.config.lookup_max_ngram} "
-                         f"(the drafter's lookup_max_ngram)")
-    if max_draft_tokens is not None and not max(1, follow_hint_after or 0) <= max_draft_tokens <= drafter.num_draft_tokens:
-        raise ValueError(f"drafter.max_draft_tokens={max_draft_tokens}: must be in {max(1, follow_hint_after or 0)}.."
-                         f"{drafter.num_draft_tokens} (K of {path}; at least drafter.follow_hint_after) or null")
-    if own_draft_tokens is not None and not 1 <= own_draft_tokens <= drafter.num_draft_tokens:
-        raise ValueError(f"drafter.own_draft_tokens={own_draft_tokens}: must be in 1..{drafter.num_draft_tokens} "
-                         f"(K of {path}) or null")
-    if min_drafting_rows is not None and (min_drafting_rows < 1 or follow_hint_after != 0):
-        raise ValueError(f"drafter.min_drafting_rows={min_drafting_rows}: must be >= 1 and needs "
-                         f"drafter.follow_hint_after=0 (got {follow_hint_after}), or null")
 
 
 def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> tuple[Path, BlockDiffusionDrafter]:
@@ -163,11 +133,12 @@ def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> 
 
 def _replace_hint_store(drafter: BlockDiffusionDrafter, data_dir: str, path: str) -> None:
     """The drafter's hint store rebuilt from every answer of a regenerated data folder."""
-    if not drafter.config.store_hints:
+    store = drafter.variants.get("store_hints")
+    if store is None:
         raise ValueError(f"drafter.hint_data_dir={data_dir}: {path} was not trained with store_hints (drafter.store_hints)")
     data = load_regenerated(_existing_dir(data_dir, "a regenerated data folder (experiments.regenerate prints it)",
                                           "drafter.hint_data_dir"))
-    drafter.hint_store = HintStore.from_data(data, drafter.config.store_num_folds)
+    drafter.hint_store = HintStore.from_data(data, store.num_folds)
 
 
 def prompt_lookup(target, num_draft_tokens: int = 15, max_ngram: int = 3, min_ngram: int = 1,

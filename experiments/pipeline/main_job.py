@@ -122,7 +122,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     """Data, training, the assistant, τ and speed evaluations of every drafter, the report (``conf/main.yaml``);
     returns the stage log written to ``<run dir>/main_summary.json``."""
     run_dir = Path(cfg.paths.run_dir).resolve()
-    science = [f"experiment={cfg.experiment}", *cfg.common_overrides]
+    science = [f"experiment={cfg.experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
     t0 = time.time()
     drafters = _train_stages(cfg, run_dir, science, log)

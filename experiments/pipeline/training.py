@@ -43,7 +43,8 @@ from drafters import locks
 from drafters.features import ensure_features
 from drafters.features import features_dir as features_folder
 from drafters.hints import HintStore
-from drafters.model import DrafterConfig, target_fingerprint
+from drafters.model import target_fingerprint
+from drafters.variants import read_saved_config
 from drafters.vocab import coverage, frequent_tokens
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
@@ -70,18 +71,21 @@ def export_drafter(checkpoint: Path, drafter_class, out_dir: Path, hint_store=No
     training run's ``hint_store`` (:class:`drafters.hints.HintStore`) if it drafts with one."""
     ckpt = locks.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
-    drafter = drafter_class(DrafterConfig.from_dict(ckpt["drafter_config"]))
+    config, variants = read_saved_config(ckpt["drafter_config"], f"{checkpoint} (drafter_config)")
+    drafter = drafter_class.build(config, variants)
     drafter.load_state_dict(state, strict=True)
-    drafter.hint_store = hint_store
+    if hint_store is not None:
+        drafter.hint_store = hint_store
     drafter.save_pretrained(out_dir)
 
 
 def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
     """With ``store_hints``: the drafter's :class:`drafters.hints.HintStore` of the training rows' answers (the
     validation rows stay out of it, as unseen prompts are at inference)."""
-    if not drafter.config.store_hints:
+    store = drafter.variants.get("store_hints")
+    if store is None:
         return
-    drafter.hint_store = HintStore.from_data(train_set.data, drafter.config.store_num_folds, train_set.indices)
+    drafter.hint_store = HintStore.from_data(train_set.data, store.num_folds, train_set.indices)
 
 
 def set_train_vocab(module, datamodule, cfg: DictConfig) -> None:
@@ -282,7 +286,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     if not trainer.is_global_zero:
         return {}
     export_drafter(run_dir / "checkpoints" / "last.ckpt", type(module.drafter), run_dir / "drafter",
-                   module.drafter.hint_store)
+                   getattr(module.drafter, "hint_store", None))
     summary = _summary(cfg, trainer, module, datamodule, saved, seconds)
     (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"[train] {trainer.global_step} steps in {seconds:.0f} s; val {json.dumps(summary['val'])}; "
