@@ -17,8 +17,8 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from drafters import BlockDiffusionDrafter, DrafterConfig, DraftingPolicy, PolicyDrafter
-from drafters.hints import HintStore
 from drafters.checks import target_weights_sha1
+from drafters.hints import HintStore
 from drafters.model import default_target_layer_ids
 from drafters.variants import REGISTRY
 from verify.generate import speculative_generate
