@@ -29,7 +29,7 @@ def test_the_converted_folder_is_a_plain_llama_with_its_record(smollm2_target):
     config = json.loads((smollm2.Path(path) / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
-    assert smollm2.problem(smollm2.Path(path), smollm2.sha256(smollm2.gguf_file())) is None
+    assert smollm2.problem(smollm2.Path(path), smollm2.sha256_file(smollm2.gguf_file())) is None
     assert tokenizer.chat_template and tokenizer.eos_token_id == 2
 
 

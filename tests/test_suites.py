@@ -107,7 +107,7 @@ def test_mtbench_real(mtbench):
     assert mtbench[0].id == "mtbench/81" and mtbench[0].meta["category"] == "writing"
     with_ref = [p for p in mtbench if p.reference]
     assert with_ref and all(len(p.meta["references"]) == 2 for p in with_ref)
-    assert S._sha256(S.cache_dir() / "mt_bench" / "question.jsonl") == S.MTBENCH_QUESTIONS_SHA256
+    assert S.sha256_file(S.cache_dir() / "mt_bench" / "question.jsonl") == S.MTBENCH_QUESTIONS_SHA256
 
 
 # ------------------------------------------------------------------------------------------ bad input

