@@ -66,11 +66,18 @@ def fake_env(root, script: str):
 
 
 def _gone(pid_file) -> bool:
+    """The process is gone or a zombie (killed, not yet reaped: a container whose PID 1 does not reap orphans
+    keeps a killed orphan's entry in the process table)."""
     pid = int(pid_file.read_text())
     for _ in range(20):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
+            return True
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except (FileNotFoundError, IndexError):
             return True
         time.sleep(0.1)
     return False

@@ -141,6 +141,8 @@ class RunFolderCheck(Callback):
 
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:
+        if not HydraConfig.initialized():  # the folder's name may read ${hydra:...}, set only later by Hydra
+            HydraConfig.instance().set_config(config)
         folder = OmegaConf.select(config, key, default=None)
         problem = unwritable(folder) if folder is not None else None
         if problem:
