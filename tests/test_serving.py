@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def _gone(pid_file) -> bool:
         except ProcessLookupError:
             return True
         try:
-            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
                 return True
         except (FileNotFoundError, IndexError):
             return True
