@@ -36,6 +36,7 @@ def anchor_acceptance(
     prompt_len: torch.Tensor,  # (B,) long
     length: torch.Tensor,  # (B,) long
     chunk: int = 64,
+    ref: torch.Tensor | None = None,  # (B, S) long: the token after each column; None = the target's argmax
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy-draft acceptance of a block anchored at every response column.
 
@@ -45,7 +46,7 @@ def anchor_acceptance(
     """
     bsz, seq = input_ids.shape
     k_slots = drafter.config.block_size - 1
-    ref = target_logits.argmax(-1)  # (B, S): the target's greedy token for column c + 1
+    ref = target_logits.argmax(-1) if ref is None else ref  # (B, S): the target's greedy token for column c + 1
     lse = torch.stack([row.float().logsumexp(-1) for row in target_logits])  # (B, S)
     # One spare column (index S) receives the padding anchors' values and is dropped at the end.
     lead = torch.zeros(bsz, seq + 1, dtype=torch.long, device=input_ids.device)

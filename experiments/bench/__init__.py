@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from verify.drafter import copy_tokens, lookup_start
+from drafters.tau import greedy_walk
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -104,7 +104,6 @@ def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[st
 def write_record(doc: dict, out: str | Path) -> dict:
     """``doc`` with ``machine`` (platform, torch, threads) added and its ``overrides`` written portably
     (:func:`portable_override`), written as JSON to ``out`` (its folder made)."""
-    import torch
 
     doc = {**doc, "machine": {"platform": platform.platform(), "torch": torch.__version__,
                               "threads": torch.get_num_threads()}}
@@ -119,14 +118,9 @@ def write_record(doc: dict, out: str | Path) -> dict:
 def lookup_replay(prompt: list[int], response: list[int], num_draft_tokens: int, max_ngram: int, min_ngram: int) -> int:
     """Speculative steps prompt lookup (:class:`verify.PromptLookupDrafter`'s rule) needs to emit ``response`` after
     ``prompt`` under greedy verification (``experiments.bench.lookup``, ``experiments.bench.choose_k``)."""
-    seq, done, steps = list(prompt), 0, 0
-    while done < len(response):
-        row = torch.tensor(seq)
-        draft = copy_tokens(row, lookup_start(row, max_ngram, min_ngram), num_draft_tokens).tolist()
-        accepted = 0
-        while accepted < len(draft) and done + accepted < len(response) and draft[accepted] == response[done + accepted]:
-            accepted += 1
-        emitted = min(accepted + 1, len(response) - done)  # the accepted drafts and the target's next token
-        seq += response[done: done + emitted]
-        done, steps = done + emitted, steps + 1
-    return steps
+    from experiments.pipeline.replay import (
+        lookup_leads,  # the pipeline's replay; benches import this module early
+    )
+
+    ids = list(prompt) + list(response)
+    return len(greedy_walk(lookup_leads(ids, num_draft_tokens, max_ngram, min_ngram), len(prompt), len(ids))[0])

@@ -5,7 +5,7 @@
 
 On greedy data the stored answers are the target's own greedy output, so a drafter's τ at T=0 on them is exact
 without running the target: prompt lookup is replayed (:func:`experiments.bench.lookup_replay`), the assistant's
-drafts are its teacher-forced argmax (right while the earlier drafts were right; :func:`leading_correct`). A step
+drafts are its teacher-forced argmax (right while the earlier drafts were right; :mod:`experiments.pipeline.replay`). A step
 costs the target's forward over K + 1 new columns plus the drafting (the assistant: K one-token forwards), timed at
 batch 1 over a 200-column cache, interleaved round by round. The estimated speedup over the target alone is
 τ(K) · t_target(1) / (t_target(K + 1) + t_draft(K)); the K with the largest one is chosen. Rows: the validation
@@ -25,7 +25,7 @@ from drafters.tau import greedy_walk
 from experiments.bench import lookup_replay as replay
 from experiments.bench import write_record
 from experiments.data.target import load_target
-from experiments.pipeline.assistant import leading_correct
+from experiments.pipeline.replay import assistant_leads
 from verify.hf import new_growing_kv_cache
 
 
@@ -40,14 +40,10 @@ def lookup_tau(rows, k: int) -> float:
     return sum(len(ids) - cut for ids, cut in rows) / steps
 
 
-@torch.no_grad()
 def assistant_tau(model, rows, k: int) -> float:
     tokens = steps = 0
     for ids, cut in rows:
-        x = torch.tensor([ids])
-        correct = (model(input_ids=x).logits[0, :-1].argmax(-1) == x[0, 1:]).tolist()  # column c predicts c + 1
-        lead = leading_correct(correct[cut - 1:], k)  # from the anchor column cut - 1 on
-        accepted, _ = greedy_walk(lead, 1, len(ids) - cut + 1)  # column 0 of lead: the anchor cut - 1
+        accepted, _ = greedy_walk(assistant_leads(model, ids, k), cut, len(ids))
         tokens, steps = tokens + len(ids) - cut, steps + len(accepted)
     return tokens / steps
 

@@ -30,7 +30,7 @@ evaluation into the same run dir refuses, naming the owner. The metrics also go 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +136,25 @@ def _encode_turn(tokenizer, prompts, answers, live, turn: int, budget: int, use_
     return encoded
 
 
+def turn_batches(target, tokenizer, prompts: Sequence[Prompt], answers: list[list[str]], run: _Decoding,
+                 s: DecodingSettings, desc: str) -> Iterator[tuple[bool, list[int], list[list[int]]]]:
+    """The batches of a suite's decoding, turn after turn: ``(first, prompt indices, token ids)``. Within a turn the
+    prompts go sorted by length; turn r + 1 is encoded after the caller appended every turn-r answer to
+    ``answers[i]`` (the model's own answers are fed back). ``first``: the suite's first batch."""
+    budget = prompt_budget(target, s.max_prompt_tokens, s.max_new_tokens)
+    bar = tqdm(total=sum(len(p.turns) for p in prompts), desc=desc, unit="turn", disable=not s.progress,
+               mininterval=2)
+    for turn in range(max(len(p.turns) for p in prompts)):
+        live = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
+        encoded = _encode_turn(tokenizer, prompts, answers, live, turn, budget, s.use_chat_template, run)
+        order = sorted(live, key=lambda i: (len(encoded[i]), prompts[i].id))
+        for start in range(0, len(order), s.batch_size):
+            chunk = order[start: start + s.batch_size]
+            yield turn == 0 and start == 0, chunk, [encoded[i] for i in chunk]
+            bar.update(len(chunk))
+    bar.close()
+
+
 def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decoding,
                   measure_target_only: bool, clock=None) -> list[tuple[dict, str]]:
     """One batch, speculatively (and target-only for the speedup): per row its turn record and answer."""
@@ -224,32 +243,31 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
         raise ValueError(f"batch_size must be >= 1, got {s.batch_size}")
     if temperature < 0:
         raise ValueError(f"temperatures must be >= 0, got {temperature}")
-    budget = prompt_budget(target, s.max_prompt_tokens, s.max_new_tokens)
     run = _start_decoding(target, tokenizer, suite, temperature, s)
     answers: list[list[str]] = [[] for _ in prompts]  # the model's own answers, fed back before later turns
     turns: list[list[dict]] = [[] for _ in prompts]  # per prompt, per turn: new_tokens, steps, accepted_counts
-    total = sum(len(p.turns) for p in prompts)
-    bar = tqdm(total=total, desc=f"{suite} T={temperature:g}", unit="turn", disable=not s.progress, mininterval=2)
-    for turn in range(max(len(p.turns) for p in prompts)):
-        live = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
-        encoded = _encode_turn(tokenizer, prompts, answers, live, turn, budget, s.use_chat_template, run)
-        order = sorted(live, key=lambda i: (len(encoded[i]), prompts[i].id))
-        if turn == 0 and s.measure_target_only:  # speeds are measured: warm both paths up first
-            _warm_up(target, drafter, [encoded[i] for i in order[: s.batch_size]], run)
-        for start in range(0, len(order), s.batch_size):
-            chunk = order[start: start + s.batch_size]
-            done = _decode_batch(target, tokenizer, drafter, [encoded[i] for i in chunk], run, s.measure_target_only,
-                                 clock)
-            for i, (record, answer) in zip(chunk, done):
-                turns[i].append(record)
-                answers[i].append(answer)
-            bar.update(len(chunk))
-    bar.close()
+    for first, chunk, rows in turn_batches(target, tokenizer, prompts, answers, run, s, f"{suite} T={temperature:g}"):
+        if first and s.measure_target_only:  # speeds are measured: warm both paths up first
+            _warm_up(target, drafter, rows, run)
+        done = _decode_batch(target, tokenizer, drafter, rows, run, s.measure_target_only, clock)
+        for i, (record, answer) in zip(chunk, done):
+            turns[i].append(record)
+            answers[i].append(answer)
     records = _prompt_records(prompts, turns)
+    total = sum(len(p.turns) for p in prompts)
     metrics = summarize([r["accepted_counts"] for r in records], [r["new_tokens"] for r in records],
                         [r["steps"] for r in records], drafter.num_draft_tokens, n_boot=s.num_bootstrap,
                         seed=stable_seed(s.seed, suite, float(temperature), "bootstrap"))
     return _entry(suite, temperature, metrics, total, run, records, s.measure_target_only)
+
+
+def _suite_evaluator(settings: DecodingSettings, temperature: float) -> Callable[..., dict]:
+    """:func:`evaluate_suite`, or at T=0 with ``replay_greedy`` the replay of the target's greedy answers."""
+    if settings.replay_greedy and temperature == 0:
+        from experiments.pipeline.replay import replay_suite  # it builds on this module's decoding loop
+
+        return replay_suite
+    return evaluate_suite
 
 
 def evaluate(
@@ -295,8 +313,8 @@ def evaluate(
                     raise ValueError(f"the saved result of suite {suite!r} at {key} covers other prompts than the "
                                      f"suite now has ({len(ids)} vs {len(prompts)}); evaluate in a new run dir")
             else:
-                entry = evaluate_suite(target, tokenizer, drafter, prompts, suite=suite, temperature=temperature,
-                                       settings=settings)
+                entry = _suite_evaluator(settings, temperature)(target, tokenizer, drafter, prompts, suite=suite,
+                                                                 temperature=temperature, settings=settings)
                 if on_result is not None:
                     on_result(suite, key, entry)
             out.setdefault(suite, {})[key] = entry

@@ -24,7 +24,7 @@ from experiments.data.suites import Prompt
 RESULTS_FORMAT = 1
 # Settings that change the numbers: a run dir's results.json is only resumed when these agree.
 GENERATION_KEYS = ("top_k", "top_p", "max_new_tokens", "batch_size", "max_prompt_tokens", "use_chat_template",
-                   "seed", "num_bootstrap", "measure_target_only")
+                   "seed", "num_bootstrap", "measure_target_only", "replay_greedy")
 # Scalars of an entry sent to the logger (position acceptance goes as a1, a2, ...).
 LOGGED_METRICS = ("tau", "tau_macro", "tau_ci_low", "tau_ci_high", "mean_accepted", "new_tokens",
                   "target_forwards", "spec_tokens_per_s", "target_tokens_per_s", "speedup", "greedy_match")

@@ -36,6 +36,8 @@ class DecodingSettings:
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     progress: bool = True  # a tqdm bar per (suite, temperature)
+    #: T=0 entries replayed from the target's greedy answers (experiments.pipeline.replay): no speeds, no decoding
+    replay_greedy: bool = False
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> DecodingSettings:

@@ -1,0 +1,186 @@
+"""τ at temperature 0 replayed from the target's greedy answers, without speculative decoding.
+
+At T=0 the verifier's output is the target's greedy output, and a step keeps the drafts up to the first one that
+differs from it, plus one token. A drafter's accepted counts therefore follow from the greedy answers alone
+(:func:`drafters.tau.greedy_walk`), given ``lead[a]``: how many of the drafts proposed at anchor column a equal
+the answer's next tokens. Per kind of drafter (:func:`leads`):
+
+* block drafter: every anchor of a batch from one teacher-forced target pass (:func:`drafters.tau.anchor_acceptance`);
+* autoregressive assistant: its k-th draft is its own teacher-forced argmax whenever drafts 1..k-1 were right,
+  the only case a step counts (:func:`experiments.pipeline.assistant.leading_correct`);
+* prompt lookup: :class:`verify.PromptLookupDrafter`'s rule on the tokens up to the anchor, computed only at
+  the anchors the walk visits.
+
+:func:`replay_suite` turns a suite's greedy answers into the results entry that
+:func:`experiments.pipeline.evaluation.evaluate_suite` writes at T=0 (no speeds). The answers are decoded once
+per target, suite and decoding settings by target-only decoding, in the batches an evaluation uses, and cached
+under ``$BLOCKDRAFT_CACHE/greedy/`` (:func:`greedy_answers`), so an ablation's every drafter costs a drafter
+pass instead of a decoding run. The numbers equal the online verifier's (tests/test_replay.py) up to the
+target's own float differences between batch shapes, which can flip a near-tied greedy token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from drafters.blocks import run_target
+from drafters.checks import target_weights_sha1
+from drafters.data import collate
+from drafters.locks import write_json_atomic
+from drafters.policy import DraftingPolicy, PolicyDrafter
+from drafters.tau import anchor_acceptance, greedy_walk
+from experiments.data.hashing import settings_hash, stable_seed
+from experiments.data.prompts import left_pad
+from experiments.data.suites import Prompt, cache_dir
+from experiments.data.target import eos_token_ids
+from experiments.pipeline.assistant import leading_correct
+from experiments.pipeline.evaluation import _entry, _prompt_records, _start_decoding, turn_batches
+from verify import AssistantDrafter, PromptLookupDrafter
+from verify.drafter import copy_tokens, lookup_start
+from verify.generate import target_generate
+from verify.metrics import summarize
+
+#: Answers of one turn: the token ids the target saw and wrote, and where its answer starts.
+Turn = tuple[list[int], int]
+
+
+class _LookupLeads:
+    """``lead[a]`` of prompt lookup over one sequence, computed when the walk asks for it."""
+
+    def __init__(self, ids: Sequence[int], k: int, max_ngram: int, min_ngram: int):
+        self.ids, self.k, self.max_ngram, self.min_ngram = list(ids), k, max_ngram, min_ngram
+
+    def __getitem__(self, a: int) -> int:
+        seq = torch.tensor(self.ids[: a + 1])
+        draft = copy_tokens(seq, lookup_start(seq, self.max_ngram, self.min_ngram), self.k).tolist()
+        lead = 0
+        while lead < len(draft) and a + 1 + lead < len(self.ids) and draft[lead] == self.ids[a + 1 + lead]:
+            lead += 1
+        return lead
+
+
+def lookup_leads(ids: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> _LookupLeads:
+    """Prompt lookup's ``lead[a]`` at every column a of ``ids`` (lazy: a walk visits few anchors)."""
+    return _LookupLeads(ids, k, max_ngram, min_ngram)
+
+
+@torch.no_grad()
+def assistant_leads(model: torch.nn.Module, ids: Sequence[int], k: int) -> list[int]:
+    """An autoregressive assistant's ``lead[a]`` at every column of ``ids``: its greedy drafts from column a
+    equal its teacher-forced argmax as long as they are right."""
+    x = torch.tensor([list(ids)], device=next(model.parameters()).device)
+    correct = (model(input_ids=x).logits[0, :-1].argmax(-1) == x[0, 1:]).tolist()  # column c predicts c + 1
+    return leading_correct(correct, k)
+
+
+@torch.no_grad()
+def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4) -> tuple[list[list[int]], int]:
+    """A block drafter's ``lead[a]`` on every turn (one teacher-forced target pass per batch of turns), and the
+    number of answer tokens that differ from the target's argmax in that pass (its float noise; 0 normally)."""
+    device = next(target.parameters()).device
+    leads, mismatches = [], 0
+    for start in range(0, len(turns), batch_size):
+        batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in turns[start: start + batch_size]])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        out = run_target(target, batch)
+        ids, length = batch["input_ids"], batch["length"]
+        ref = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, S): the answer's token after column c
+        lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, batch["attention_mask"],
+                                       batch["prompt_len"], length, ref=ref)
+        answer = (torch.arange(ids.shape[1], device=device) >= batch["prompt_len"].unsqueeze(1) - 1) & (
+            torch.arange(ids.shape[1], device=device) < length.unsqueeze(1) - 1)
+        mismatches += int(((out.logits.argmax(-1) != ref) & answer).sum())
+        leads += [row[: n] for row, n in zip(lead.tolist(), length.tolist())]
+    return leads, mismatches
+
+
+def _block_width(drafter: PolicyDrafter) -> int:
+    """The verified width of a block drafter whose policy the replay can follow (max_draft_tokens only)."""
+    policy, plain = drafter.policy, DraftingPolicy(max_draft_tokens=drafter.policy.max_draft_tokens,
+                                                   share_target_cache=drafter.policy.share_target_cache)
+    if policy != plain or getattr(drafter.drafter, "variants", {}).get("hints") is not None:
+        raise ValueError("replay_greedy: only a block drafter without hints and with no decoding policy other than "
+                         f"drafter.max_draft_tokens can be replayed (got {policy}); set replay_greedy=false")
+    return drafter.num_draft_tokens if policy.max_draft_tokens is None else policy.max_draft_tokens
+
+
+def leads(drafter, target, turns: Sequence[Turn]) -> tuple[list[Sequence[int]], int]:
+    """``lead`` per turn for any drafter :mod:`experiments.pipeline.eval_drafters` builds, capped at the
+    width it verifies; and the target's argmax mismatches on the answers (block drafters only; else 0)."""
+    if isinstance(drafter, PolicyDrafter):
+        width = _block_width(drafter)
+        rows, mismatches = block_leads(drafter.drafter, target, turns)
+        return [[min(n, width) for n in row] for row in rows], mismatches
+    if isinstance(drafter, AssistantDrafter):
+        return [assistant_leads(drafter.model, ids, drafter.num_draft_tokens) for ids, _ in turns], 0
+    if isinstance(drafter, PromptLookupDrafter):
+        return [lookup_leads(ids, drafter.num_draft_tokens, drafter.max_ngram, drafter.min_ngram)
+                for ids, _ in turns], 0
+    raise ValueError(f"replay_greedy: a {type(drafter).__name__} cannot be replayed (block drafters, "
+                     "ar_assistant and prompt_lookup can); set replay_greedy=false")
+
+
+def _answers_path(target, tokenizer, prompts: Sequence[Prompt], suite: str, settings) -> Path:
+    """Where the greedy answers of these prompts under these settings are cached (a hash of all that decides them)."""
+    key = settings_hash(target_weights_sha1(target), str(next(target.parameters()).dtype), suite,
+                        [[p.id, list(p.turns)] for p in prompts], settings.max_new_tokens, settings.max_prompt_tokens,
+                        settings.batch_size, settings.use_chat_template, eos_token_ids(target, tokenizer))
+    return cache_dir() / "greedy" / f"{suite}-{key}.json"
+
+
+@torch.no_grad()
+def greedy_answers(target, tokenizer, prompts: Sequence[Prompt], *, suite: str,
+                   settings) -> tuple[list[list[Turn]], int]:
+    """Per prompt, per turn: the target's greedy answer as ``(ids, answer start)``, decoded target-only in the
+    batches and order an evaluation uses (later turns after the model's own answers), cached on disk; and how
+    many turns' prompts lost their first tokens to ``max_prompt_tokens``."""
+    path = _answers_path(target, tokenizer, prompts, suite, settings)
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        return [[(list(ids), int(cut)) for ids, cut in turns] for turns in cached["answers"]], cached["truncated"]
+    run = _start_decoding(target, tokenizer, suite, 0.0, settings)
+    texts: list[list[str]] = [[] for _ in prompts]
+    answers: list[list[Turn]] = [[] for _ in prompts]
+    for _, chunk, rows in turn_batches(target, tokenizer, prompts, texts, run, settings, f"{suite} greedy answers"):
+        input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
+        out = target_generate(target, input_ids, attention_mask=mask, generator=run.gen_target, **run.kwargs)
+        for i, row, new in zip(chunk, rows, out.new_tokens):
+            answers[i].append((list(row) + list(new), len(row)))
+            texts[i].append(tokenizer.decode(new, skip_special_tokens=True).strip())
+    write_json_atomic(path, {"suite": suite, "prompt_ids": [p.id for p in prompts], "truncated": run.truncated,
+                             "answers": answers})
+    return answers, run.truncated
+
+
+def replay_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite: str, temperature: float,
+                 settings, clock=None) -> dict:
+    """The T=0 results entry of ``drafter`` on one suite, replayed from the target's greedy answers: the fields
+    of :func:`experiments.pipeline.evaluation.evaluate_suite` with the speeds None, plus ``replayed`` and
+    ``replay_argmax_mismatches`` (answer tokens the replay's target pass would not have chosen; see :func:`leads`)."""
+    if temperature != 0:
+        raise ValueError(f"replay_greedy replays temperature 0 only, got {temperature}")
+    answers, truncated = greedy_answers(target, tokenizer, prompts, suite=suite, settings=settings)
+    flat = [turn for turns in answers for turn in turns]
+    lead_rows, mismatches = leads(drafter, target, flat)
+    per_turn = []
+    for (ids, cut), lead in zip(flat, lead_rows, strict=True):
+        accepted, kept = greedy_walk(lead, cut, len(ids))
+        assert sum(kept) == len(ids) - cut, "a replayed turn keeps every answer token"
+        per_turn.append({"new_tokens": len(ids) - cut, "steps": len(accepted), "accepted_counts": accepted,
+                         "draft_sources": []})
+    records = iter(per_turn)
+    turns = [[next(records) for _ in p_turns] for p_turns in answers]
+    prompt_records = _prompt_records(prompts, turns)
+    metrics = summarize([r["accepted_counts"] for r in prompt_records], [r["new_tokens"] for r in prompt_records],
+                        [r["steps"] for r in prompt_records], drafter.num_draft_tokens, n_boot=settings.num_bootstrap,
+                        seed=stable_seed(settings.seed, suite, float(temperature), "bootstrap"))
+    run = _start_decoding(target, tokenizer, suite, temperature, settings)
+    entry = _entry(suite, temperature, metrics, len(flat), run, prompt_records, measure_target_only=False)
+    for key in ("batched_forwards", "mean_draft_width", "spec_wall_time_s", "spec_tokens_per_s"):
+        entry[key] = None  # no decoding ran
+    entry["truncated_prompts"] = truncated
+    return {**entry, "replayed": True, "replay_argmax_mismatches": mismatches}

@@ -1,0 +1,84 @@
+"""experiments.pipeline.replay: T=0 accepted counts replayed from the target's greedy answers equal the online
+verifier's, prompt by prompt and step by step, for every drafter kind it replays (block drafter, ar_assistant,
+prompt_lookup), multi-turn prompts included; the answers are cached; what it cannot replay is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_evaluate import _suites, _target, _tokenizer
+
+import experiments.pipeline.evaluation as ev
+from drafters import DraftingPolicy, PolicyDrafter
+from drafters.model import BlockDiffusionDrafter
+from experiments.pipeline import replay
+from experiments.pipeline.settings import DecodingSettings
+from verify import AssistantDrafter, PromptLookupDrafter
+from verify.drafter import truncated_copy
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = _tokenizer()
+    target = _target(tok).eval()
+    torch.manual_seed(0)
+    block = BlockDiffusionDrafter.from_target(target, block_size=5).eval()
+    drafters = {
+        "block": PolicyDrafter(block),
+        "block_w2": PolicyDrafter(block, DraftingPolicy(max_draft_tokens=2)),
+        "lookup": PromptLookupDrafter(len(tok), 4),
+        "assistant": AssistantDrafter(truncated_copy(target, 1).eval(), 3),
+    }
+    return tok, target, drafters
+
+
+def _settings(**kw):
+    return DecodingSettings(temperatures=(0.0,), max_new_tokens=24, batch_size=1, max_prompt_tokens=40,
+                            num_bootstrap=50, progress=False, measure_target_only=False, **kw)
+
+
+@pytest.mark.parametrize("name", ["block", "block_w2", "lookup", "assistant"])
+def test_replayed_counts_equal_the_online_verifier(setup, name, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    accepted = 0
+    for suite, prompts in _suites().items():  # "chat" holds a two-turn prompt
+        online = ev.evaluate_suite(target, tok, drafters[name], prompts, suite=suite, temperature=0.0,
+                                   settings=_settings())
+        replayed = replay.replay_suite(target, tok, drafters[name], prompts, suite=suite, temperature=0.0,
+                                       settings=_settings(replay_greedy=True))
+        for ours, theirs in zip(replayed["prompts"], online["prompts"], strict=True):
+            for key in ("id", "new_tokens", "steps", "new_tokens_per_turn", "accepted_counts"):
+                assert ours[key] == theirs[key], (suite, key)
+        assert replayed["tau"] == pytest.approx(online["tau"]) and replayed["replayed"]
+        assert replayed["position_acceptance"] == pytest.approx(online["position_acceptance"])
+        assert replayed["replay_argmax_mismatches"] == 0 and replayed["speedup"] is None
+        accepted += sum(sum(p["accepted_counts"]) for p in replayed["prompts"])
+    assert accepted > 0  # drafts do get accepted: the equality is not between empty walks
+
+
+def test_greedy_answers_are_cached_and_evaluate_dispatches_t0(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    prompts = _suites()["chat"]
+    first, _ = replay.greedy_answers(target, tok, prompts, suite="chat", settings=_settings())
+    assert [len(turns) for turns in first] == [len(p.turns) for p in prompts]
+    assert len(list((tmp_path / "greedy").glob("chat-*.json"))) == 1
+    monkeypatch.setattr(replay, "target_generate", None)  # a second call must not decode
+    assert replay.greedy_answers(target, tok, prompts, suite="chat", settings=_settings())[0] == first
+    out = ev.evaluate(target, tok, drafters["lookup"], {"chat": prompts}, _settings(replay_greedy=True))
+    assert out["chat"]["t0"]["replayed"]
+
+
+def test_what_cannot_be_replayed_is_refused(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    turns = [([1, 2, 3, 4, 5], 2)]
+    confident = PolicyDrafter(drafters["block"].drafter, DraftingPolicy(confidence_threshold=0.5))
+    with pytest.raises(ValueError, match="confidence_threshold=0.5.*replay_greedy=false"):
+        replay.leads(confident, target, turns)
+    with pytest.raises(ValueError, match="a object cannot be replayed"):
+        replay.leads(object(), target, turns)
+    with pytest.raises(ValueError, match="temperature 0 only"):
+        replay.replay_suite(target, tok, drafters["lookup"], _suites()["chat"], suite="chat", temperature=1.0,
+                            settings=_settings(replay_greedy=True))
