@@ -569,7 +569,7 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}
     assert all(v > 0 for v in ms.values()) and drafter.policy.own_draft_tokens == 2
     with torch.inference_mode():
-        cache, _, anchor_pos = draft_cost._prefill(target, drafter, 2, 12)
+        cache, _, anchor_pos = draft_cost.prefill(target, drafter, 2, 12)
     assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]
 
 

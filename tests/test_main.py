@@ -14,7 +14,8 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
         calls.append((name, module, overrides))
         log["stages"].append({"stage": name, "seconds": 0.0})
         if module == "experiments.bench.choose_k":
-            (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}}')
+            (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}, '
+                                                   '"block_width": {"l2r_all": {"chosen_k": 2}}}')
         if module == "experiments.report":
             (tmp_path / "report").mkdir()
             (tmp_path / "report" / "report.md").write_text("table\n")
@@ -30,27 +31,32 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
         cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}"])
     calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
     names = [c[0] for c in calls]
-    drafters = ["uniform", "l2r_all", "prompt_lookup", "ar_assistant"]
+    drafters, timed = ["uniform", "l2r_all", "prompt_lookup", "ar_assistant"], list(cfg.speed_drafters)
+    assert "uniform" not in timed and "l2r_all" in timed
     assert names == ["data", "train uniform", "train l2r_all", "train ar_assistant", "choose K",
-                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in drafters), "report"]
+                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in timed), "report"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
     assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2"
     assert by_name["train ar_assistant"][:2] == ["--config-name", "train_assistant_smollm2"]
     assert f"drafter.path={tmp_path}/assistant/export" in by_name["eval ar_assistant"]
     assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
-    assert by_name["choose K"][-2:] == ["--assistant", f"{tmp_path}/assistant/export"]
+    assert by_name["choose K"][-4:] == ["--assistant", f"{tmp_path}/assistant/export",
+                                        "--drafter", f"l2r_all={tmp_path}/train/l2r_all/drafter"]
+    assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all"]  # its best W at batch 1, chosen held out
+    assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all"])  # τ: the whole block
     assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
     assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
     for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
-        for d in drafters:
+        for d in drafters if kind == "eval" else timed:
             args = by_name[f"{kind} {d}"]
             assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
             assert args[-len(overrides) - 1:-1] == list(overrides)
     assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
+    assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
     report = by_name["report"]
     assert report[:4] == [str(tmp_path / "eval" / d) for d in drafters]
-    assert report[4:9] == ["--speed", *(str(tmp_path / "speed" / d) for d in drafters)]
+    assert report[4:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
 
 
 def test_the_tiny_regimes_main_job_keeps_its_baselines_and_drafting_settings(tmp_path, monkeypatch):

@@ -137,6 +137,27 @@ def test_teacher_forced_tau_equals_online_tau(greedy_data, trained):
     assert offline["tau_greedy"] == pytest.approx(online.tau)
 
 
+def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, trained):
+    """experiments.bench.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, and its draft timing
+    covers each W."""
+    from drafters.policy import DraftingPolicy, PolicyDrafter
+    from experiments.bench.choose_k import block_draft_ms, block_tau
+
+    target, _, eval_ids, eval_mask = greedy_data
+    drafter = trained[0].drafter.eval()
+    prompts = [row[m.bool()].tolist() for row, m in zip(eval_ids, eval_mask)]
+    rows = [(p + target_generate(target, torch.tensor([p]), max_new_tokens=NEW).new_tokens[0], len(p)) for p in prompts]
+    taus = block_tau(drafter, target, rows, [1, 2, drafter.num_draft_tokens])
+    for w, tau in taus.items():
+        policy = PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w))
+        steps = sum(speculative_generate(target, policy, torch.tensor([ids[:cut]]), max_new_tokens=NEW).num_target_forwards
+                    for ids, cut in rows)
+        assert tau == pytest.approx(sum(len(ids) - cut for ids, cut in rows) / steps), w
+    assert taus[drafter.num_draft_tokens] > taus[1] > 1.0, taus  # more is accepted when more is verified
+    ms = block_draft_ms(target, drafter, [1, 2], rounds=2, context=12)
+    assert set(ms) == {1, 2} and all(v > 0 for v in ms.values())
+
+
 def test_soft_loss_trains_and_validates(greedy_data):
     target, data_dir, _, _ = greedy_data
     loss = AcceptanceAlignedLoss(gamma=7.0, focal_weight=0.3, chain_weight=1.0, soft=True)

@@ -82,3 +82,4 @@ def test_what_cannot_be_replayed_is_refused(setup, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="temperature 0 only"):
         replay.replay_suite(target, tok, drafters["lookup"], _suites()["chat"], suite="chat", temperature=1.0,
                             settings=_settings(replay_greedy=True))
+

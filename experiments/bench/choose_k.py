@@ -1,14 +1,18 @@
-"""The K that serves each baseline best, chosen on held-out training answers (never on the suites).
+"""The K that serves each baseline best, and the width W a trained block drafter verifies best, chosen on held-out
+training answers (never on the suites).
 
     python -m experiments.bench.choose_k --data-dir <regenerated data> --target <HF folder> \\
-        [--assistant <HF folder>] [--ks 2 3 4 5 7 10 15] [--out runs/choose_k.json]
+        [--assistant <HF folder>] [--drafter NAME=<drafter dir> ...] [--ks 2 3 4 5 7 10 15] [--out runs/choose_k.json]
 
 On greedy data the stored answers are the target's own greedy output, so a drafter's τ at T=0 on them is exact
 without running the target: prompt lookup is replayed (:func:`experiments.bench.lookup_replay`), the assistant's
 drafts are its teacher-forced argmax (right while the earlier drafts were right; :mod:`experiments.pipeline.replay`). A step
 costs the target's forward over K + 1 new columns plus the drafting (the assistant: K one-token forwards), timed at
 batch 1 over a 200-column cache, interleaved round by round. The estimated speedup over the target alone is
-τ(K) · t_target(1) / (t_target(K + 1) + t_draft(K)); the K with the largest one is chosen. Rows: the validation
+τ(K) · t_target(1) / (t_target(K + 1) + t_draft(K)); the K with the largest one is chosen. A trained block drafter
+drafts its whole block in one pass but verifies only its first W drafts (``drafter.max_draft_tokens``: the LM head
+runs over W slots, the drafts are the full block's): τ(W) replayed from one teacher-forced target pass
+(:func:`experiments.pipeline.replay.block_leads`), t_draft(W) timed like the target's forwards. Rows: the validation
 split of the data folder (the same ``val_fraction`` as training).
 """
 
@@ -21,11 +25,14 @@ import time
 import torch
 
 from drafters.data import load_regenerated, split_by_id
+from drafters.model import BlockDiffusionDrafter
+from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
 from experiments.bench import lookup_replay as replay
 from experiments.bench import write_record
+from experiments.bench.draft_cost import prefill
 from experiments.data.target import load_target
-from experiments.pipeline.replay import assistant_leads
+from experiments.pipeline.replay import assistant_leads, block_leads
 from verify.hf import new_growing_kv_cache
 
 
@@ -46,6 +53,29 @@ def assistant_tau(model, rows, k: int) -> float:
         accepted, _ = greedy_walk(assistant_leads(model, ids, k), cut, len(ids))
         tokens, steps = tokens + len(ids) - cut, steps + len(accepted)
     return tokens / steps
+
+
+def block_tau(drafter, target, rows, widths) -> dict[int, float]:
+    """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths``."""
+    leads, _ = block_leads(drafter, target, rows)
+    tokens = sum(len(ids) - cut for ids, cut in rows)
+    return {w: tokens / sum(len(greedy_walk([min(n, w) for n in lead], cut, len(ids))[0])
+                            for lead, (ids, cut) in zip(leads, rows)) for w in widths}
+
+
+@torch.no_grad()
+def block_draft_ms(target, drafter, widths, rounds: int, context: int = 200) -> dict[int, float]:
+    """Median ms of one draft verifying W slots (the head over W slots only), batch 1, after a ``context``-column
+    prefill, per W; interleaved round by round."""
+    _cache, anchor, position = prefill(target, drafter, 1, context)  # the drafter reads this cache
+    narrowed = {w: PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w)) for w in widths}
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(rounds):
+        for w in widths:
+            t = time.perf_counter()
+            narrowed[w].draft(anchor, position)
+            times[w].append(1000 * (time.perf_counter() - t))
+    return {w: statistics.median(v[1:] if len(v) > 1 else v) for w, v in times.items()}
 
 
 @torch.no_grad()
@@ -74,6 +104,8 @@ def main(argv=None) -> dict:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--target", required=True)
     p.add_argument("--assistant", default=None, help="an ar_assistant folder (experiments.train_assistant's export)")
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
+                   help="a trained block drafter: the width W of its drafts to verify (drafter.max_draft_tokens)")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5, 7, 10, 15])
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--rows", type=int, default=64)
@@ -95,7 +127,15 @@ def main(argv=None) -> dict:
         result["assistant_token_ms"] = one
         result["ar_assistant"] = choose({k: assistant_tau(assistant, rows, k) for k in args.ks},
                                         {k: target_ms[k + 1] + k * one for k in args.ks}, target_ms[1])
+    for name, path in (item.split("=", 1) for item in args.drafter):
+        drafter = BlockDiffusionDrafter.from_pretrained(path, target=target).eval()
+        ws = [w for w in args.ks if w <= drafter.num_draft_tokens]
+        result.setdefault("block_width", {})[name] = choose(
+            block_tau(drafter, target, rows, ws), {w: target_ms[w + 1] + ms for w, ms in
+                                                   block_draft_ms(target, drafter, ws, args.rounds).items()}, target_ms[1])
     write_record({"config": vars(args), **result}, args.out)
+    for name, chosen in result.get("block_width", {}).items():
+        print(f"[choose_k] {name}: W = {chosen['chosen_k']}  {chosen['by_k']}", flush=True)
     for name in ("prompt_lookup", "ar_assistant"):
         if name in result:
             print(f"[choose_k] {name}: K = {result[name]['chosen_k']}  {result[name]['by_k']}", flush=True)

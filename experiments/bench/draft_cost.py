@@ -31,7 +31,7 @@ from verify.hf import cache_argument, new_growing_kv_cache
 SKIP = 3  # first rounds left out of the medians
 
 
-def _prefill(target, drafter, batch: int, context: int, seed: int = 0):
+def prefill(target, drafter, batch: int, context: int, seed: int = 0):
     """The target's cache over ``context`` random tokens per row, handed to the drafter; the rows' anchors and their
     positions."""
     vocab = target.get_output_embeddings().out_features
@@ -51,7 +51,7 @@ def measure(target, drafter, *, batch: int, context: int, widths, target_widths,
     """Median wall ms of each ``draft W'=<w>`` (``whole block`` for 0) and ``target <n> columns`` forward."""
     vocab = target.get_output_embeddings().out_features
     with torch.inference_mode():
-        cache, anchor, anchor_pos = _prefill(target, drafter, batch, context)
+        cache, anchor, anchor_pos = prefill(target, drafter, batch, context)
         columns = cache.get_seq_length()
 
         inner = getattr(drafter, "drafter", drafter)  # a PolicyDrafter's block drafter

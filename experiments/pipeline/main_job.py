@@ -6,8 +6,11 @@ By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-1
    installed after a regenerated batch matched them token for token);
 2. ``experiments.train`` — one drafter per loss in ``losses`` (the uniform baseline and ``l2r_all``), same data,
    budget and seed; then ``experiments.train_assistant`` — the ``ar_assistant`` baseline on the same answers;
-3. ``experiments.evaluate`` — every drafter and baseline on the suites at T=0 and T=1 (``evaluate_overrides``,
-   batch 8), then again at batch 1, T=0, against the target alone (``speed_overrides``);
+3. ``experiments.evaluate`` — every drafter and baseline on the suites at T=0 (replayed from the target's greedy
+   answers, :mod:`experiments.pipeline.replay`) and T=1 (decoded, batch 8; ``evaluate_overrides``), then the
+   drafters of ``speed_drafters`` again at batch 1, T=0, against the target alone (``speed_overrides``), each
+   baseline at the K and each trained drafter verifying the W chosen on held-out training answers
+   (``experiments.bench.choose_k``);
 4. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots.
 
 Each stage runs as its own entry point (a subprocess, its own Hydra run dir under this job's run
@@ -112,10 +115,18 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str
             "--ks", *map(str, cfg.choose_k.ks)]
     if "ar_assistant" in wanted and fill["assistant_dir"] is not None:
         args += ["--assistant", fill["assistant_dir"]]
+    for loss in _timed(cfg, cfg.losses):
+        args += ["--drafter", f"{loss}={run_dir / 'train' / loss / 'drafter'}"]
     if not out.is_file():  # a resumed job keeps the K it chose
         stage("choose K", "experiments.bench.choose_k", args, log)
     chosen = json.loads(out.read_text())
-    return {b: int(chosen[b]["chosen_k"]) for b in wanted if b in chosen}
+    widths = {name: int(c["chosen_k"]) for name, c in chosen.get("block_width", {}).items()}
+    return {b: int(chosen[b]["chosen_k"]) for b in wanted if b in chosen} | widths
+
+
+def _timed(cfg: DictConfig, names) -> list[str]:
+    """The drafters among ``names`` timed at batch 1 (``speed_drafters``; null: all)."""
+    return [n for n in names if cfg.get("speed_drafters") is None or n in cfg.speed_drafters]
 
 
 def run_main_job(cfg: DictConfig) -> dict:
@@ -137,12 +148,16 @@ def run_main_job(cfg: DictConfig) -> dict:
     kinds = {"eval": list(cfg.evaluate_overrides)}
     if cfg.get("speed_overrides") is not None:
         kinds["speed"] = list(cfg.speed_overrides)
+    timed = _timed(cfg, drafters)
     for kind, overrides in kinds.items():
         for name, args in drafters.items():
-            stage(f"{kind} {name}", "experiments.evaluate",
-                  [*evaluate, *args, *overrides, f"hydra.run.dir={run_dir / kind / name}"], log)
+            if kind == "eval" or name in timed:
+                width = [f"drafter.max_draft_tokens={chosen[name]}"] if kind == "speed" and name in cfg.losses \
+                    and name in chosen else []  # a trained drafter verifies its best W at batch 1
+                stage(f"{kind} {name}", "experiments.evaluate",
+                      [*evaluate, *args, *width, *overrides, f"hydra.run.dir={run_dir / kind / name}"], log)
     report_dir = run_dir / "report"
-    speed = ["--speed", *(str(run_dir / "speed" / n) for n in drafters)] if "speed" in kinds else []
+    speed = ["--speed", *(str(run_dir / "speed" / n) for n in timed)] if "speed" in kinds else []
     stage("report", "experiments.report", [*(str(run_dir / "eval" / n) for n in drafters), *speed,
                                            "--out", str(report_dir)], log)
     log["total_seconds"] = round(time.time() - t0, 1)
