@@ -33,7 +33,7 @@ from experiments.bench import write_record
 from experiments.bench.draft_cost import prefill
 from experiments.data.target import load_target
 from experiments.pipeline.replay import assistant_leads, block_leads
-from verify.hf import new_growing_kv_cache
+from verify.hf import cache_argument, new_growing_kv_cache
 
 
 def held_out_rows(data_dir: str, fraction: float, limit: int) -> list[tuple[list[int], int]]:
@@ -86,9 +86,9 @@ def forward_ms(model, widths: list[int], rounds: int, context: int = 200) -> dic
     for _ in range(rounds):
         for w in widths:
             cache = new_growing_kv_cache(model, context + w)
-            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :context], use_cache=True, **{cache_argument(model): cache})
             t = time.perf_counter()
-            model(input_ids=ids[:, context:context + w], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, context:context + w], use_cache=True, **{cache_argument(model): cache})
             times[w].append(1000 * (time.perf_counter() - t))
     return {w: statistics.median(v[1:] if len(v) > 1 else v) for w, v in times.items()}
 
