@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         "(the baseline always comes first)")
     parser.add_argument("--speed", nargs="+", default=[], help="evaluations at batch 1 (measure_target_only) whose "
                         "speedups make the speed section (experiments/reporting/speed.py)")
+    parser.add_argument("--paper", action="store_true", help="add the paper's figures beside this report's "
+                        "(experiments/reporting/paper.py)")
     parser.add_argument("--num-bootstrap", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wandb", action="store_true", help="also log the plots and table to W&B")
@@ -69,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     runs = order_runs(runs, args.order, baseline)
     speed_runs = load_runs(args.speed) if args.speed else []
     report = write_report(runs, args.out, baseline=baseline, num_bootstrap=args.num_bootstrap, seed=args.seed,
-                          speed_runs=speed_runs)
+                          speed_runs=speed_runs, paper=args.paper)
     if args.wandb:
         report["wandb_dir"] = log_to_wandb(report, args.out, project=args.wandb_project, mode=args.wandb_mode)
     print(f"[report] {len(runs)} configurations -> {Path(args.out) / 'report.md'}", flush=True)

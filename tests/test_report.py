@@ -357,3 +357,54 @@ def test_draft_sources_reported_per_drafter_and_label(tmp_path):
     assert "| chain | `hint:store` | 75% · 2.50 |" in text and "| chain | `drafter` | 25% · 0.40 |" in text
     assert "| uniform | `" not in text
     assert text.count("Where the accepted drafts come from") == 1  # t0 only
+
+
+def test_paper_section_puts_the_papers_figures_beside_ours(multirun, tmp_path):
+    from experiments.reporting.paper import PAPER_TAU
+
+    root, uniform, chain = multirun
+    report = report_cli.main([str(root), "--out", str(tmp_path / "o"), "--num-bootstrap", "50", "--paper"])
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "## Beside the paper (T=0, mean over suites)" in md and "## Beside the paper (T=1" in md
+    cell = report["table"]["t0"]["mean"]["chain"]
+    paper_gain = 100 * (PAPER_TAU["chain"] / PAPER_TAU["uniform"] - 1)
+    assert (f"| chain | {PAPER_TAU['chain']} | {paper_gain:+.1f}% | {cell['tau']:.3f} | {100 * cell['gain']:+.1f}% ["
+            in md)
+    assert f"| l2r_all | {PAPER_TAU['l2r_all']} | +43.9% | — | — |" in md  # in the paper, not run here
+    assert report["paper_tau"] == PAPER_TAU
+
+
+def test_budget_curve_averages_seeds_and_pairs_gains_by_budget(tmp_path):
+    from experiments.reporting import budget
+
+    def run(loss, seed, steps, scale):
+        doc = _docs(seed)[0]
+        for entries in doc["results"].values():
+            for e in entries.values():
+                e["tau"] *= scale
+        d = tmp_path / "runs" / f"{loss}-s{seed}-x{steps}"
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      loss: {loss}\n")
+        (d / "train_summary.json").write_text(json.dumps({"steps": steps}))
+        (d / "results.json").write_text(json.dumps(doc))
+        return np.mean([doc["results"][s]["t0"]["tau"] for s in SUITES])
+
+    u1, u2 = run("uniform", 0, 100, 1.0), run("uniform", 0, 200, 1.1)
+    c1 = [run("chain", s, 100, 1.2) for s in (0, 1)]
+    out = tmp_path / "out"
+    doc = budget.main([str(tmp_path / "runs"), "--out", str(out)])
+    assert doc["points"]["uniform"] == {"100": [pytest.approx(u1)], "200": [pytest.approx(u2)]}
+    assert doc["points"]["chain"]["100"] == pytest.approx(c1)
+    md = (out / "budget.md").read_text()
+    assert f"| chain | {np.mean(c1):.3f} ({100 * (np.mean(c1) / u1 - 1):+.1f}%), 2 seeds | — |" in md
+    assert f"| uniform | {u1:.3f} | {u2:.3f} |" in md
+    assert (out / "budget.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no evaluated trained drafter"):
+        budget.main([str(_only_untrained(tmp_path)), "--out", str(out)])
+
+
+def _only_untrained(tmp_path):
+    d = tmp_path / "untrained"
+    d.mkdir()
+    (d / "results.json").write_text(json.dumps(_docs(3)[0] | {"drafter": {"name": "prompt_lookup"}}))
+    return d

@@ -64,7 +64,7 @@ class Run:
         return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
 
 
-def _auto_name(path: Path, doc: dict) -> tuple[str, Any]:
+def auto_name(path: Path, doc: dict) -> tuple[str, Any]:
     """``(name, seed)``: the drafter's own name (baselines: ``prompt_lookup``, ``ar_assistant``; a trained drafter
     evaluated with ``drafter.name=...``, with its training run's seed), else the loss choice beside the results or
     of the drafter's training run, else the dir name."""
@@ -120,7 +120,7 @@ def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -
         labels = list(names)
         configs, seeds = list(names), [None] * len(names)
     else:
-        auto = [_auto_name(f, d) for f, d in zip(files, docs)]
+        auto = [auto_name(f, d) for f, d in zip(files, docs)]
         configs, seeds = [a[0] for a in auto], [a[1] for a in auto]
         labels = _distinct(configs, seeds, files)
     given = list(labels)

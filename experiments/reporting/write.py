@@ -9,6 +9,7 @@ from pathlib import Path
 
 from drafters.data import META
 from experiments.pipeline.paths import REPO, cache_path, inside, portable_path
+from experiments.reporting.paper import PAPER_TAU, paper_lines
 from experiments.reporting.plots import (
     plot_accept_hist,
     plot_gain,
@@ -63,9 +64,10 @@ def make_paths_portable(report: dict) -> Path | None:
     return base
 
 def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "uniform",
-                 num_bootstrap: int = 1000, seed: int = 0, speed_runs: Sequence[Run] = ()) -> dict:
+                 num_bootstrap: int = 1000, seed: int = 0, speed_runs: Sequence[Run] = (), paper: bool = False) -> dict:
     """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``).
-    ``speed_runs``: evaluations at batch 1 whose speeds make the report's speed section (:mod:`.speed`)."""
+    ``speed_runs``: evaluations at batch 1 whose speeds make the report's speed section (:mod:`.speed`);
+    ``paper``: a section with the paper's figures beside this report's (:mod:`.paper`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
@@ -90,6 +92,9 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     elif curves:
         plots.append(plot_training_curves(curves, out / "training_curves.png"))
     markdown = render_markdown(report, plots)
+    if paper:
+        report["paper_tau"] = PAPER_TAU
+        markdown += "\n".join(line for key in report["table"] for line in paper_lines(report, key)) + "\n"
     if speed_runs:
         report["speed"] = speed_table(speed_runs)
         plots.append(plot_speed(report["speed"], out / "speed.png"))
