@@ -362,7 +362,7 @@ def test_draft_sources_reported_per_drafter_and_label(tmp_path):
 def test_paper_section_puts_the_papers_figures_beside_ours(multirun, tmp_path):
     from experiments.reporting.paper import PAPER_TAU
 
-    root, uniform, chain = multirun
+    root = multirun[0]
     report = report_cli.main([str(root), "--out", str(tmp_path / "o"), "--num-bootstrap", "50", "--paper"])
     md = (tmp_path / "o" / "report.md").read_text()
     assert "## Beside the paper (T=0, mean over suites)" in md and "## Beside the paper (T=1" in md
