@@ -264,20 +264,23 @@ def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
 
 def test_the_deep_drafter_is_hinted_store_with_every_target_layer():
     """experiment=deep_store: hinted_store's drafter, data and suites, with drafter.num_layers the target's
-    depth (resolved from its config.json, 6 for the embedded target), causal_anchor and its own budget (lr 1e-4,
-    300 steps)."""
+    depth (resolved from its config.json, 6 for the embedded target), the causal anchor and its own budget (lr 1e-4,
+    300 steps); experiment=deep_frozen: the same with the anchor frozen."""
     deep = _compose("train", ["experiment=deep_store"])
     store = _compose("train", ["experiment=hinted_store"])
     depth = json.loads((Path(OmegaConf.select(deep, "target.path")) / "config.json").read_text())["num_hidden_layers"]
     assert deep.drafter.num_layers == depth == 6
-    assert {**OmegaConf.to_container(deep.drafter, resolve=True), "num_layers": 2, "causal_anchor": False} == \
-        OmegaConf.to_container(store.drafter, resolve=True)
+    deep_drafter = OmegaConf.to_container(deep.drafter, resolve=True)
+    assert deep_drafter["variants"].pop("anchor") == {"frozen": False}
+    assert {**deep_drafter, "num_layers": 2} == OmegaConf.to_container(store.drafter, resolve=True)
+    assert set(store.drafter.variants) == {"layerwise", "hints", "store_hints"}
     for key in ("data", "suite", "evaluate.enabled"):
         assert _regime(deep)[key] == _regime(store)[key], key
     assert (deep.train.max_steps, deep.optimizer.lr) == (300, 1.0e-4)
     frozen = _compose("train", ["experiment=deep_frozen"])
-    assert {**OmegaConf.to_container(frozen.drafter, resolve=True), "frozen_anchor": False} == \
-        OmegaConf.to_container(deep.drafter, resolve=True) and frozen.drafter.frozen_anchor
+    frozen_drafter = OmegaConf.to_container(frozen.drafter, resolve=True)
+    assert frozen_drafter["variants"].pop("anchor") == {"frozen": True}
+    assert frozen_drafter == deep_drafter
     for key in ("data", "suite", "train.max_steps", "optimizer", "scheduler"):
         assert _regime(frozen)[key] == _regime(deep)[key], key
 
@@ -298,6 +301,59 @@ def test_the_long_run_lengthens_the_regime():
     assert long["suite"] == ablation["suite"] and long["data"]["backend"] == ablation["data"]["backend"]
     assert long["train.max_steps"] > ablation["train.max_steps"]
     assert long["data"]["generation"]["prompts"]["per_source"] > ablation["data"]["generation"]["prompts"]["per_source"]
+
+
+VARIANTS = sorted(p.stem for p in (CONF / "drafter" / "variant").glob("*.yaml"))
+# The registered variants (drafters.variants.REGISTRY) each config composes: its own and those it needs.
+VARIANT_NAMES = {"layerwise": {"layerwise"}, "hints": {"hints"}, "store_hints": {"hints", "store_hints"},
+                 "causal_anchor": {"anchor"}, "frozen_anchor": {"anchor", "layerwise"}, "refine": {"refine"}}
+
+
+def _built(cfg, num_layers: int = 3):
+    from conftest import tiny_target
+
+    torch.manual_seed(0)
+    return instantiate(cfg.drafter)(tiny_target(num_layers=num_layers))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_drafter_variant_config_composes_over_the_core_by_name(variant):
+    """``drafter=dflash +drafter/variant=<name>``: the config adds its variants' options (and those of the variants
+    it needs) under ``drafter.variants``, and the drafter built is the core composed with exactly those."""
+    from drafters.variants import REGISTRY
+
+    cfg = _compose("train", ["drafter=dflash", f"+drafter/variant={variant}", "drafter.block_size=4"])
+    assert set(cfg.drafter.variants) == VARIANT_NAMES[variant]
+    assert _compose("train", ["drafter.block_size=4"]).drafter.variants == {}  # the core names none
+    drafter = _built(cfg)
+    assert set(drafter.variant_names) == VARIANT_NAMES[variant]
+    assert all(isinstance(drafter, REGISTRY[n]) for n in VARIANT_NAMES[variant])
+    assert drafter.config.block_size == 4 and drafter.config.num_layers == 1
+
+
+def test_variant_configs_compose_as_a_list_with_their_options_and_over_an_experiment():
+    """``+drafter/variant=[layerwise,refine]`` composes both, an option is one more override, and an
+    experiment's variants keep theirs when the command line adds one."""
+    cfg = _compose("train", ["+drafter/variant=[layerwise,refine]", "drafter.variants.refine.passes=2",
+                             "drafter.num_layers=2", "drafter.block_size=4"])
+    drafter = _built(cfg)
+    assert drafter.variant_names == ("refine", "layerwise")
+    assert drafter.variants["refine"].passes == 2 and drafter.variants["layerwise"].shifted
+    assert drafter.config.target_layer_ids == (0, 1) and drafter.config.qk_norm is False
+    store = _compose("train", ["experiment=hinted_store", "+drafter/variant=refine"])
+    assert set(store.drafter.variants) == {"layerwise", "hints", "store_hints", "refine"}
+    assert store.drafter.num_layers == 2 and store.drafter.init_layers_from_target
+
+
+def test_the_flat_switches_of_older_configs_still_build_their_variants():
+    """A config that spells a variant as an older flat switch (``lookup_hints``, ``causal_anchor``, ...) builds
+    the drafter that the variant configs build."""
+    flat = _compose("train", ["drafter=layerwise", "+drafter.lookup_hints=true", "+drafter.causal_anchor=true",
+                              "drafter.block_size=4"])
+    named = _compose("train", ["drafter=layerwise", "+drafter/variant=[hints,causal_anchor]", "drafter.block_size=4"])
+    a, b = _built(flat), _built(named)
+    assert a.variant_names == b.variant_names == ("hints", "anchor", "layerwise")
+    assert a.saved_config() == b.saved_config()
 
 
 def test_bench_drafters_are_the_confs():
@@ -324,6 +380,12 @@ def _experiment_defaults(name: str) -> list:
     return yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()).get("defaults", [])
 
 
+def _experiment_bases(name: str) -> list[str]:
+    """The experiments ``name`` builds on: its defaults that are plain names (an absolute path such as
+    ``/drafter/variant/store_hints`` includes a config of another group)."""
+    return [d for d in _experiment_defaults(name) if isinstance(d, str) and d != "_self_" and not d.startswith("/")]
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_state_the_science_and_launch_apart(experiment):
     """An experiment file sets no run mode or callback (conf/launch/ does), and builds on at most one other
@@ -332,8 +394,8 @@ def test_experiments_state_the_science_and_launch_apart(experiment):
 
     doc = yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text())
     assert not {"mode", "callbacks"} & set(doc.get("hydra", {})), experiment
-    bases = [d for d in _experiment_defaults(experiment) if isinstance(d, str) and d != "_self_"]
-    assert len(bases) <= 1 and all(isinstance(d, dict) or d == "_self_" for b in bases for d in _experiment_defaults(b))
+    bases = _experiment_bases(experiment)
+    assert len(bases) <= 1 and not any(_experiment_bases(b) for b in bases)
 
 
 def test_launch_run_makes_a_sweep_experiment_one_run():

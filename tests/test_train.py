@@ -221,7 +221,8 @@ def test_hinted_drafter_trains_and_evaluates(env, store_hints):
     ``evaluate.drafter`` (the switch and narrow drafting, as experiment=deep_frozen sets them)."""
     name = f"lw_store{int(store_hints)}"
     inference = ["+evaluate.drafter.follow_hint_after=0", "+evaluate.drafter.own_draft_tokens=1"] if store_hints else []
-    run_main(train, [*env["base"], "drafter=hinted", f"drafter.store_hints={store_hints}", f"name={name}",
+    store = ["+drafter/variant=store_hints"] if store_hints else []
+    run_main(train, [*env["base"], "drafter=hinted", *store, f"name={name}",
                      "train.max_steps=2", "train.val_every=2",
                      "evaluate.enabled=true", "suite=humaneval", "suite.humaneval.limit=2",
                      "evaluate.temperatures=[0.0]", "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10",

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import FAMILIES, left_padded_prompts, tiny_target
 
-from drafters import BlockDiffusionDrafter
-from verify import AssistantDrafter, speculative_generate, target_generate
-from verify.hf import HEAD_CHUNK, cache_argument, linear_logits
+from drafters import BlockDiffusionDrafter, DraftingPolicy, PolicyDrafter
+from verify import AssistantDrafter, PromptLookupDrafter, speculative_generate, target_generate
+from verify.hf import HEAD_CHUNK, cache_argument, linear_logits, new_kv_cache
 
 
 class _Records(logging.Handler):
@@ -59,6 +59,33 @@ def test_decoding_raises_no_deprecation_warning(family):
         assert target_generate(target, ids, attention_mask=mask, max_new_tokens=4).num_new_tokens == 8
 
     assert _deprecations(run) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoding_with_variants_and_a_policy_raises_no_deprecation_warning(family):
+    """The variants' own target calls (layers copied from the target, a frozen anchor reading the target's cache)
+    and the drafting policy pass the cache as transformers asks; the check sees the deprecated keyword."""
+    target = tiny_target(family, vocab_size=64, seed=1, num_layers=3)
+    torch.manual_seed(0)
+    build = {"block_size": 4, "num_layers": 3, "init_layers_from_target": True, "qk_norm": False}
+    hinted = BlockDiffusionDrafter.from_target(target, variants={"layerwise": {"shifted": True}, "hints": {},
+                                                                 "refine": {}}, **build)
+    frozen = BlockDiffusionDrafter.from_target(target, variants={"layerwise": {"shifted": True},
+                                                                 "anchor": {"frozen": True}}, **build)
+    drafters = [PolicyDrafter(hinted, DraftingPolicy(follow_hint_after=0)), frozen, PromptLookupDrafter(64, 3)]
+    ids, mask = left_padded_prompts([5, 3], 64, seed=3)
+
+    def run():
+        for drafter in drafters:
+            for temperature in (0.0, 1.0):
+                out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=6,
+                                           temperature=temperature, generator=torch.Generator().manual_seed(0))
+                assert out.num_new_tokens == 12
+
+    assert _deprecations(run) == []
+    if cache_argument(target) == "cache":  # this transformers renamed the keyword: the old one is reported
+        old = lambda: target(input_ids=ids, past_key_values=new_kv_cache(target), use_cache=True)
+        assert any("past_key_values" in m for m in _deprecations(old))
 
 
 def test_cache_argument_follows_the_forward_signature():

@@ -1,7 +1,8 @@
 """Batched speculative decoding with exact verification, and target-only decoding with the same code.
 
 Both run one decoding loop (:func:`_decode`) over the column layout documented in
-:mod:`verify.drafter`: a left-padded prompt x_1..x_t is prefilled without its last token x_t (the
+:mod:`verify.drafter` (the target's forward and the cache bookkeeping between steps:
+:mod:`verify.target_pass`): a left-padded prompt x_1..x_t is prefilled without its last token x_t (the
 anchor); each step the target runs ``[anchor, d_1..d_K]`` against its KV cache, :func:`verify_block`
 keeps a prefix per row, the cache is cropped to the columns still needed (rows that kept fewer
 drafts than the batch maximum keep masked holes) and the row's new anchor is the correction or
@@ -17,11 +18,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-import verify.hf
 from verify.drafter import Drafter
-from verify.hf import cache_argument, max_positions, new_growing_kv_cache, output_vocab_size
+from verify.hf import output_vocab_size
+from verify.inputs import check_inputs, eos_tensor, resolve_pad_id
 from verify.metrics import summarize
 from verify.rejection import verify_block, verify_greedy, warp_probs
+from verify.target_pass import (
+    Live,
+    NoClock,
+    Step,
+    TargetPass,
+    advance,
+    drop_finished,
+    head_logits,
+    is_plain_head,
+    prefill,
+)
+
+# The earlier private names of what moved to verify.inputs and verify.target_pass (tests and benchmarks use them).
+_check_inputs, _eos_tensor, _is_plain_head = check_inputs, eos_tensor, is_plain_head
 
 
 @dataclass
@@ -66,91 +81,6 @@ class _Decoded:
     draft_sources: list[list[str]] = field(default_factory=list)  # per row per step, when the drafter labels
 
 
-def _eos_tensor(eos_token_id, device) -> torch.Tensor:
-    if eos_token_id is None:
-        ids = []
-    elif isinstance(eos_token_id, int):
-        ids = [eos_token_id]
-    else:
-        ids = [int(i) for i in eos_token_id]
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
-def _check_inputs(target, input_ids, attention_mask, max_new_tokens, vocab_size) -> torch.Tensor:
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty (B, T) tensor, got shape {tuple(input_ids.shape)}")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(input_ids.shape)}"
-        )
-    attention_mask = attention_mask.long()
-    lengths = attention_mask.sum(dim=1)
-    if (lengths == 0).any():
-        raise ValueError(f"empty prompt: rows {torch.nonzero(lengths == 0).flatten().tolist()} have no tokens")
-    if (attention_mask[:, -1] == 0).any() or (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
-        raise ValueError("attention_mask must be left-padded (zeros, then ones) and end in a token on every row")
-    tokens = input_ids[attention_mask.bool()]
-    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
-        raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the target's vocabulary)")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    limit = max_positions(target)
-    if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the target's "
-            f"max_position_embeddings ({limit})"
-        )
-    return attention_mask
-
-
-def _pad_id(target, pad_token_id, eos: torch.Tensor) -> int:
-    if pad_token_id is not None:
-        return int(pad_token_id)
-    for config in (getattr(target, "generation_config", None), target.config):
-        value = getattr(config, "pad_token_id", None) if config is not None else None
-        if value is not None:
-            return int(value)
-    return int(eos[0]) if eos.numel() else 0
-
-
-class _NoClock:
-    """The default step clock: records nothing (:mod:`experiments.bench.profiling` passes one that does)."""
-
-    def start(self) -> None:
-        pass
-
-    def lap(self, name: str) -> None:
-        pass
-
-    def next_step(self) -> None:
-        pass
-
-
-def _is_plain_head(head, logits: torch.Tensor, final: torch.Tensor) -> bool:
-    """Whether ``logits`` (B, V) are ``final @ head.weight.T`` for final hidden states (B, H): a head without
-    bias, and no logit scaling or soft-capping after it, so the verifier may apply the head's weight itself
-    (:func:`verify.hf.linear_logits`)."""
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or getattr(head, "bias", None) is not None or weight.ndim != 2:
-        return False
-    if weight.shape[1] != final.shape[-1]:
-        return False
-    mine = verify.hf.linear_logits(weight, final.to(weight.dtype)).float()
-    ref = logits.float()
-    if mine.shape != ref.shape:
-        return False
-    return bool(torch.allclose(mine, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max()))))
-
-
-def _head_logits(head, states: torch.Tensor) -> torch.Tensor:  # (b, L, H) -> (b, L, V)
-    """The logits of a plain head (see :func:`_is_plain_head`) over final hidden states, as one 2-D product."""
-    b, length, size = states.shape
-    return verify.hf.linear_logits(head.weight, states.reshape(b * length, size).to(head.weight.dtype)).view(
-        b, length, -1)
-
-
 def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, H) -> (B,), (B,)
     """:func:`verify_greedy` with the LM head (its weight, :func:`verify.hf.linear_logits`) applied only where
     the result can depend on it.
@@ -164,7 +94,7 @@ def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, 
     batch, width = drafts.shape
 
     def logits(states):  # (b, L, H) -> (b, L, V)
-        return _head_logits(head, states)
+        return head_logits(head, states)
 
     num_accepted = drafts.new_zeros(batch)
     next_token = drafts.new_zeros(batch)
@@ -188,93 +118,7 @@ def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, 
     return num_accepted, next_token
 
 
-class _TargetPass:
-    """The target's forward over new columns against its KV cache, returning what the loop needs.
-
-    ``lazy``: the verifier applies the LM head's weight itself where the target's logits are plain
-    head(final hidden state) (checked on the prefill's logits, see :func:`_prefill`): lazily at temperature 0,
-    over every column when sampling; the forward then computes no logits and returns the final hidden
-    states instead. The cache is passed under the keyword the target's forward names
-    (:func:`verify.hf.cache_argument`).
-    """
-
-    def __init__(self, target, drafter, reserve: int, lazy: bool, device: torch.device):
-        self.target = target
-        self.layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
-        self.position_limit = max_positions(target)
-        self.head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-        self.lazy = lazy and self.head is not None
-        self.no_logits = torch.zeros(0, dtype=torch.long, device=device)  # logits_to_keep: none
-        self.cache = new_growing_kv_cache(target, reserve)
-        self.cache_key = cache_argument(target)
-
-    def __call__(self, ids, mask, positions, **kwargs):  # (B, n), (B, C + n), (B, n)
-        """``(logits, hidden (the drafter's layers) or None, final hidden states or None)``."""
-        if self.position_limit is not None:
-            positions = positions.clamp(max=self.position_limit - 1)  # only slots beyond a row's cap
-        out = self.target(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=bool(self.layer_ids) or self.lazy,
-            **{self.cache_key: self.cache},
-            **kwargs,
-        )
-        hidden = tuple(out.hidden_states[i] for i in self.layer_ids) if self.layer_ids else None
-        final = out.hidden_states[-1] if self.lazy else None
-        return out.logits, hidden, final
-
-
-@dataclass
-class _Live:
-    """Decoding state of the rows still in the batch, in batch order (finished rows leave it)."""
-
-    rows: list[int]  # original index of each live row
-    mask: torch.Tensor  # (B, C) the target cache's columns: 1 committed, 0 hole
-    anchor: torch.Tensor  # (B,) each row's last committed token, not in the cache yet
-    anchor_pos: torch.Tensor  # (B,) its position
-    remaining: torch.Tensor  # (B,) new tokens each row may still emit
-    remaining_list: list[int]  # the same, on the host
-    hidden: tuple[torch.Tensor, ...] | None = None  # the drafter's target layers at the last block
-    accepted_mean: float = 1.0  # running mean of the drafts kept per row: the lazy head's first chunk
-
-
-@dataclass
-class _Step:
-    """One verification step of the live rows."""
-
-    block: torch.Tensor  # (B, W + 1) [anchor, d_1..d_W]
-    slots: torch.Tensor  # (W + 1,) 0..W
-    num_accepted: torch.Tensor  # (B,) drafts kept
-    next_token: torch.Tensor  # (B,) the correction or bonus token: the row's next anchor
-
-
-def _prefill(run: _TargetPass, drafter, input_ids, attention_mask, max_new_tokens: int) -> _Live:
-    """Run x_1..x_{t-1} through the target and the drafter; x_t is every row's anchor (the prompt is
-    left-padded)."""
-    batch_size, prompt_len = input_ids.shape
-    mask = attention_mask[:, :-1]  # (B, C) the target cache's columns: 1 committed, 0 hole
-    prefix_pos = (mask.cumsum(dim=1) - 1).clamp_min(0)  # (B, C)
-    hidden = None
-    if prompt_len > 1:
-        logits, hidden, final = run(input_ids[:, :-1], mask, prefix_pos, logits_to_keep=1)
-        if run.lazy:
-            run.lazy = final is not None and _is_plain_head(run.head, logits[:, -1], final[:, -1])
-    elif run.layer_ids:
-        width = run.target.config.get_text_config().hidden_size
-        hidden = tuple(torch.zeros(batch_size, 0, width, device=input_ids.device) for _ in run.layer_ids)
-    if drafter is not None:
-        drafter.reset(batch_size)
-        if hasattr(drafter, "bind_target_cache"):  # optional: a drafter that can read the target's keys/values
-            drafter.bind_target_cache(run.cache)
-        drafter.extend(input_ids[:, :-1], mask, prefix_pos, hidden)
-    remaining = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=input_ids.device)
-    return _Live(list(range(batch_size)), mask, input_ids[:, -1], attention_mask.sum(dim=1) - 1, remaining,
-                 [max_new_tokens] * batch_size)
-
-
-def _draft(drafter, live: _Live, num_drafts: int, temperature, top_k, top_p, generator):
+def _draft(drafter, live: Live, num_drafts: int, temperature, top_k, top_p, generator):
     """``(drafts (B, W) long, q (B, W, V) or None)``: the drafter's proposal, cut to what a row can
     still keep; (B, 0) and None without a drafter."""
     rows = len(live.rows)
@@ -307,8 +151,8 @@ def _record_sources(drafter, rows: list[int], out: _Decoded) -> None:
         out.draft_sources[row].append(str(label))
 
 
-def _verify(run: _TargetPass, live: _Live, drafts, q, slots, temperature, top_k, top_p, generator,
-            clock) -> _Step:
+def _verify(run: TargetPass, live: Live, drafts, q, slots, temperature, top_k, top_p, generator,
+            clock) -> Step:
     """The target's forward over ``[anchor, d_1..d_W]`` and the kept prefix of every row."""
     width = drafts.shape[1]
     block = torch.cat([live.anchor.unsqueeze(1), drafts], dim=1)  # (B, W + 1) [anchor, d_1..d_W]
@@ -320,7 +164,7 @@ def _verify(run: _TargetPass, live: _Live, drafts, q, slots, temperature, top_k,
         logits, live.hidden, _ = run(block, block_mask, positions)
     clock.lap("target_forward")
     if run.lazy and temperature != 0:
-        logits = _head_logits(run.head, final)  # (B, W + 1, V)
+        logits = head_logits(run.head, final)  # (B, W + 1, V)
     if run.lazy and temperature == 0:
         first = min(width + 1, 2 + math.ceil(live.accepted_mean))
         num_accepted, next_token = _verify_greedy_lazy(drafts, final, run.head, first)  # (B,), (B,)
@@ -330,10 +174,10 @@ def _verify(run: _TargetPass, live: _Live, drafts, q, slots, temperature, top_k,
         p = warp_probs(logits, temperature, top_k, top_p)  # (B, W + 1, V)
         num_accepted, next_token = verify_block(drafts, q, p, generator)  # (B,), (B,)
     clock.lap("verify")
-    return _Step(block, slots, num_accepted, next_token)
+    return Step(block, slots, num_accepted, next_token)
 
 
-def _emit(live: _Live, step: _Step, eos: torch.Tensor, out: _Decoded) -> tuple[list[int], list[int]]:
+def _emit(live: Live, step: Step, eos: torch.Tensor, out: _Decoded) -> tuple[list[int], list[int]]:
     """Append each row's emitted tokens d_1..d_n, next (truncated at the first EOS and at the row's
     budget) and kept-draft count to ``out``; returns per row (done, drafts accepted)."""
     live_rows, width = step.block.shape[0], step.block.shape[1] - 1
@@ -361,44 +205,6 @@ def _emit(live: _Live, step: _Step, eos: torch.Tensor, out: _Decoded) -> tuple[l
     return done_list, accepted_list
 
 
-def _drop_finished(live: _Live, step: _Step, done_list, accepted_list, cache, drafter) -> list[int]:
-    """Remove the finished rows from the state, the step, the cache and the drafter; returns the
-    accepted counts of the rows left."""
-    keep = [i for i, d in enumerate(done_list) if not d]
-    live.rows = [live.rows[i] for i in keep]
-    if not live.rows:
-        return []
-    live.remaining_list = [live.remaining_list[i] for i in keep]
-    keep_idx = torch.tensor(keep, dtype=torch.long, device=step.block.device)  # (B',)
-    cache.batch_select_indices(keep_idx)
-    if drafter is not None:
-        drafter.select_rows(keep_idx)
-    live.mask, live.anchor_pos = live.mask[keep_idx], live.anchor_pos[keep_idx]
-    live.remaining = live.remaining[keep_idx]
-    step.block, step.num_accepted = step.block[keep_idx], step.num_accepted[keep_idx]
-    step.next_token = step.next_token[keep_idx]
-    live.hidden = tuple(h[keep_idx] for h in live.hidden) if live.hidden is not None else None
-    return [accepted_list[i] for i in keep]
-
-
-def _advance(live: _Live, step: _Step, accepted_list: list[int], cache, drafter, clock) -> None:
-    """Keep the columns [anchor, d_1..d_n], n = the largest accepted count among live rows (rows that
-    kept fewer get holes), hand them to the drafter, and move every anchor to its next token."""
-    n = max(accepted_list)
-    cache.crop(n - (step.block.shape[1] - 1))
-    new_mask = (step.slots[: n + 1] <= step.num_accepted.unsqueeze(1)).long()  # (B, n + 1)
-    new_pos = live.anchor_pos.unsqueeze(1) + step.slots[: n + 1]  # (B, n + 1)
-    clock.lap("crop")
-    if drafter is not None:
-        hidden = tuple(h[:, : n + 1] for h in live.hidden) if live.hidden is not None else None
-        drafter.extend(step.block[:, : n + 1], new_mask, new_pos, hidden)
-        clock.lap("drafter_extend")
-    live.mask = torch.cat([live.mask, new_mask], dim=1)
-    live.anchor = step.next_token
-    live.anchor_pos = live.anchor_pos + step.num_accepted + 1
-    clock.lap("bookkeeping")
-
-
 @torch.inference_mode()
 def _decode(
     target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator,
@@ -407,14 +213,14 @@ def _decode(
     """The decoding loop: prefill, then draft, verify, emit, drop finished rows, advance (see the
     module docstring). ``lazy_head`` (default: on CPU) lets the verifier apply the LM head."""
     start = time.perf_counter()
-    clock = clock if clock is not None else _NoClock()
+    clock = clock if clock is not None else NoClock()
     clock.start()
     batch_size, prompt_len = input_ids.shape
     num_drafts = drafter.num_draft_tokens if drafter is not None else 0
     lazy = input_ids.device.type == "cpu" if lazy_head is None else bool(lazy_head)
     lazy = lazy and drafter is not None and prompt_len > 1
-    run = _TargetPass(target, drafter, max_new_tokens + num_drafts + 1, lazy, input_ids.device)
-    live = _prefill(run, drafter, input_ids, attention_mask, max_new_tokens)
+    run = TargetPass(target, drafter, max_new_tokens + num_drafts + 1, lazy, input_ids.device)
+    live = prefill(run, drafter, input_ids, attention_mask, max_new_tokens)
     clock.lap("prefill")
     clock.next_step()
     out = _Decoded([[] for _ in range(batch_size)], [[] for _ in range(batch_size)], 0, 0.0,
@@ -432,12 +238,12 @@ def _decode(
         done_list, accepted_list = _emit(live, step, eos, out)
         clock.lap("bookkeeping")
         if any(done_list):
-            accepted_list = _drop_finished(live, step, done_list, accepted_list, run.cache, drafter)
+            accepted_list = drop_finished(live, step, done_list, accepted_list, run.cache, drafter)
             if not live.rows:
                 clock.next_step()
                 break
             clock.lap("select_rows")
-        _advance(live, step, accepted_list, run.cache, drafter, clock)
+        advance(live, step, accepted_list, run.cache, drafter, clock)
         clock.next_step()
     out.wall_time = time.perf_counter() - start
     return out
@@ -483,15 +289,15 @@ def speculative_generate(
             f"vocabulary mismatch: drafter.vocab_size is {drafter.vocab_size} but the target outputs "
             f"{target_vocab} tokens"
         )
-    attention_mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens, target_vocab)
-    eos = _eos_tensor(eos_token_id, input_ids.device)
+    attention_mask = check_inputs(target, input_ids, attention_mask, max_new_tokens, target_vocab)
+    eos = eos_tensor(eos_token_id, input_ids.device)
     decoded = _decode(
         target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator, clock
     )
     steps = [len(c) for c in decoded.accepted_counts]
     metrics = summarize(decoded.accepted_counts, decoded.new_tokens, steps, num_drafts)
     return SpeculativeOutput(
-        sequences=_sequences(input_ids, decoded.new_tokens, _pad_id(target, pad_token_id, eos)),
+        sequences=_sequences(input_ids, decoded.new_tokens, resolve_pad_id(target, pad_token_id, eos)),
         new_tokens=decoded.new_tokens,
         num_new_tokens=metrics["new_tokens"],
         num_target_forwards=metrics["target_forwards"],
@@ -524,13 +330,13 @@ def target_generate(
 ) -> TargetOutput:
     """Target-only decoding (one token per forward) with the same KV-cache code: the speed baseline."""
     target_vocab = output_vocab_size(target)
-    attention_mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens, target_vocab)
-    eos = _eos_tensor(eos_token_id, input_ids.device)
+    attention_mask = check_inputs(target, input_ids, attention_mask, max_new_tokens, target_vocab)
+    eos = eos_tensor(eos_token_id, input_ids.device)
     decoded = _decode(
         target, None, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator
     )
     return TargetOutput(
-        sequences=_sequences(input_ids, decoded.new_tokens, _pad_id(target, pad_token_id, eos)),
+        sequences=_sequences(input_ids, decoded.new_tokens, resolve_pad_id(target, pad_token_id, eos)),
         new_tokens=decoded.new_tokens,
         num_new_tokens=sum(len(t) for t in decoded.new_tokens),
         num_target_forwards=sum(len(c) for c in decoded.accepted_counts),

@@ -135,7 +135,7 @@ def _replace_hint_store(drafter: BlockDiffusionDrafter, data_dir: str, path: str
     """The drafter's hint store rebuilt from every answer of a regenerated data folder."""
     store = drafter.variants.get("store_hints")
     if store is None:
-        raise ValueError(f"drafter.hint_data_dir={data_dir}: {path} was not trained with store_hints (drafter.store_hints)")
+        raise ValueError(f"drafter.hint_data_dir={data_dir}: {path} was not trained with store_hints (+drafter/variant=store_hints)")
     data = load_regenerated(_existing_dir(data_dir, "a regenerated data folder (experiments.regenerate prints it)",
                                           "drafter.hint_data_dir"))
     drafter.hint_store = HintStore.from_data(data, store.num_folds)

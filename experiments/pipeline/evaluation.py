@@ -30,21 +30,19 @@ evaluation into the same run dir refuses, naming the owner. The metrics also go 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from drafters import locks
 from drafters.locks import read_json, write_json_atomic
 from experiments.data.hashing import stable_seed
-from experiments.data.prompts import encode_prompt, left_pad
+from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, load_suites
-from experiments.data.target import eos_token_ids, load_target
+from experiments.data.target import load_target
 from experiments.pipeline.eval_drafters import EvalDrafter, drafter_config
 from experiments.pipeline.records import (
     RESULTS_FORMAT,
@@ -57,26 +55,16 @@ from experiments.pipeline.records import (
 )
 from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.settings import DecodingSettings
+from experiments.pipeline.suite_batches import (  # noqa: F401 (prompt_budget re-exported)
+    Decoding,
+    prompt_budget,
+    prompt_records,
+    start_decoding,
+    suite_entry,
+    turn_batches,
+)
 from verify.generate import speculative_generate, target_generate
-from verify.hf import max_positions
-from verify.metrics import accepted_by_source, summarize
-
-
-def prompt_budget(target, max_prompt_tokens: int | None, max_new_tokens: int) -> int:
-    """Prompt tokens kept (the last ones) so that prompt + ``max_new_tokens`` fits the target's positions."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    limit = max_positions(target)
-    if max_prompt_tokens is None:
-        if limit is None:
-            raise ValueError("max_prompt_tokens=null needs a target with a position limit; set max_prompt_tokens")
-        max_prompt_tokens = limit - max_new_tokens
-    if max_prompt_tokens < 1:
-        raise ValueError(f"max_prompt_tokens must be >= 1 (or null), got {max_prompt_tokens}")
-    if limit is not None and max_prompt_tokens + max_new_tokens > limit:
-        raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} exceeds the "
-                         f"target's {limit} positions; lower max_prompt_tokens (or set it to null)")
-    return int(max_prompt_tokens)
+from verify.metrics import summarize
 
 
 def _check_suites(suites: Mapping[str, Sequence[Prompt]]) -> None:
@@ -91,71 +79,14 @@ def _check_suites(suites: Mapping[str, Sequence[Prompt]]) -> None:
             raise ValueError(f"suite {name!r}: prompt ids must be unique; duplicated: {dup}")
 
 
+# The earlier private names of what moved to experiments.pipeline.suite_batches (experiments.pipeline.replay uses them).
+_entry, _prompt_records, _start_decoding = suite_entry, prompt_records, start_decoding
+
 # ------------------------------------------------------------------------------------------------
-# One (suite, temperature)
+# One (suite, temperature): batches from experiments.pipeline.suite_batches
 
 
-@dataclass
-class _Decoding:
-    """What every batch of one (suite, temperature) shares: the decoding call's arguments, the two
-    generators (speculative, target-only) and the running totals."""
-
-    kwargs: dict
-    gen_spec: torch.Generator
-    gen_target: torch.Generator
-    device: torch.device
-    spec_time: float = 0.0
-    target_time: float = 0.0
-    target_new: int = 0
-    batched_forwards: int = 0
-    verified_slots: int = 0
-    truncated: int = 0
-    matches: int = 0
-
-
-def _start_decoding(target, tokenizer, suite: str, temperature: float, s: DecodingSettings) -> _Decoding:
-    device = next(target.parameters()).device
-    eos = eos_token_ids(target, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    gen_spec = torch.Generator(device=device).manual_seed(stable_seed(s.seed, suite, float(temperature)))
-    gen_target = torch.Generator(device=device).manual_seed(stable_seed(s.seed, suite, float(temperature), "target"))
-    kwargs = {"max_new_tokens": s.max_new_tokens, "temperature": float(temperature), "top_k": s.top_k,
-              "top_p": s.top_p, "eos_token_id": eos, "pad_token_id": pad_id}
-    return _Decoding(kwargs, gen_spec, gen_target, device)
-
-
-def _encode_turn(tokenizer, prompts, answers, live, turn: int, budget: int, use_chat_template: bool,
-                 run: _Decoding) -> dict[int, list[int]]:
-    """Token ids of turn ``turn`` of the ``live`` prompts (after their own earlier answers), left-truncated."""
-    encoded = {}
-    for i in live:
-        ids = encode_prompt(tokenizer, prompts[i].turns[: turn + 1], answers[i], use_chat_template)
-        if len(ids) > budget:
-            ids, run.truncated = ids[-budget:], run.truncated + 1
-        encoded[i] = ids
-    return encoded
-
-
-def turn_batches(target, tokenizer, prompts: Sequence[Prompt], answers: list[list[str]], run: _Decoding,
-                 s: DecodingSettings, desc: str) -> Iterator[tuple[bool, list[int], list[list[int]]]]:
-    """The batches of a suite's decoding, turn after turn: ``(first, prompt indices, token ids)``. Within a turn the
-    prompts go sorted by length; turn r + 1 is encoded after the caller appended every turn-r answer to
-    ``answers[i]`` (the model's own answers are fed back). ``first``: the suite's first batch."""
-    budget = prompt_budget(target, s.max_prompt_tokens, s.max_new_tokens)
-    bar = tqdm(total=sum(len(p.turns) for p in prompts), desc=desc, unit="turn", disable=not s.progress,
-               mininterval=2)
-    for turn in range(max(len(p.turns) for p in prompts)):
-        live = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
-        encoded = _encode_turn(tokenizer, prompts, answers, live, turn, budget, s.use_chat_template, run)
-        order = sorted(live, key=lambda i: (len(encoded[i]), prompts[i].id))
-        for start in range(0, len(order), s.batch_size):
-            chunk = order[start: start + s.batch_size]
-            yield turn == 0 and start == 0, chunk, [encoded[i] for i in chunk]
-            bar.update(len(chunk))
-    bar.close()
-
-
-def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decoding,
+def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: Decoding,
                   measure_target_only: bool, clock=None) -> list[tuple[dict, str]]:
     """One batch, speculatively (and target-only for the speedup): per row its turn record and answer."""
     input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
@@ -179,7 +110,7 @@ def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: _Decod
 WARM_UP_NEW_TOKENS = 2
 
 
-def _warm_up(target, drafter, rows: list[list[int]], run: _Decoding) -> None:
+def _warm_up(target, drafter, rows: list[list[int]], run: Decoding) -> None:
     """A short untimed decode of ``rows`` each way before a suite's timed ones: a process's first decodes pay
     one-time costs (allocations, kernel set-up) that would otherwise land on the speculative side, which runs
     first. Its own generator: the suite's seeded ones are untouched, so sampled answers do not change."""
@@ -188,50 +119,6 @@ def _warm_up(target, drafter, rows: list[list[int]], run: _Decoding) -> None:
     generator = torch.Generator(device=run.device).manual_seed(0)
     speculative_generate(target, drafter, input_ids, attention_mask=mask, generator=generator, **kwargs)
     target_generate(target, input_ids, attention_mask=mask, generator=generator, **kwargs)
-
-
-def _prompt_records(prompts: Sequence[Prompt], turns: list[list[dict]]) -> list[dict]:
-    """One record per prompt: its turns pooled (kept tokens and steps summed, accepted counts concatenated)."""
-    return [{
-        "id": p.id,
-        "turns": len(p.turns),
-        "new_tokens": sum(t["new_tokens"] for t in turns[i]),
-        "steps": sum(t["steps"] for t in turns[i]),
-        "new_tokens_per_turn": [t["new_tokens"] for t in turns[i]],
-        "steps_per_turn": [t["steps"] for t in turns[i]],
-        "accepted_counts": [c for t in turns[i] for c in t["accepted_counts"]],
-        "draft_sources": [c for t in turns[i] for c in t["draft_sources"]],
-    } for i, p in enumerate(prompts)]
-
-
-def _entry(suite: str, temperature: float, metrics: dict, total: int, run: _Decoding, records: list[dict],
-           measure_target_only: bool) -> dict:
-    spec_tps = metrics["new_tokens"] / max(run.spec_time, 1e-9)
-    target_tps = run.target_new / max(run.target_time, 1e-9) if measure_target_only else None
-    return {
-        "suite": suite,
-        "temperature": float(temperature),
-        **metrics,
-        "num_turns": total,
-        "truncated_prompts": run.truncated,  # turns whose prompt lost its first tokens to max_prompt_tokens
-        "batched_forwards": run.batched_forwards,  # target calls after prefill, summed over batches
-        # Drafts the target verified per call (the width W <= K; the block is W + 1 tokens per row).
-        "mean_draft_width": run.verified_slots / max(run.batched_forwards, 1),
-        "spec_wall_time_s": run.spec_time,
-        "spec_tokens_per_s": spec_tps,
-        "target_new_tokens": run.target_new if measure_target_only else None,
-        "target_wall_time_s": run.target_time if measure_target_only else None,
-        "target_tokens_per_s": target_tps,
-        "speedup": spec_tps / target_tps if target_tps else None,
-        # Turns whose speculative output equals target-only decoding: 1.0 at T=0 (exactness); at T>0 the
-        # two runs draw different random numbers, so this is only the chance of equal samples.
-        "greedy_match": run.matches / total if measure_target_only and temperature == 0 else None,
-        # Per label of the drafter's draft_sources() (e.g. hint:store, hint:prompt, drafter): row-steps, share,
-        # drafts kept per step, share keeping none; {} for drafters that do not label their drafts.
-        "by_draft_source": accepted_by_source([r["accepted_counts"] for r in records],
-                                              [r["draft_sources"] for r in records]),
-        "prompts": records,
-    }
 
 
 def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite: str, temperature: float,
@@ -243,7 +130,7 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
         raise ValueError(f"batch_size must be >= 1, got {s.batch_size}")
     if temperature < 0:
         raise ValueError(f"temperatures must be >= 0, got {temperature}")
-    run = _start_decoding(target, tokenizer, suite, temperature, s)
+    run = start_decoding(target, tokenizer, suite, temperature, s)
     answers: list[list[str]] = [[] for _ in prompts]  # the model's own answers, fed back before later turns
     turns: list[list[dict]] = [[] for _ in prompts]  # per prompt, per turn: new_tokens, steps, accepted_counts
     for first, chunk, rows in turn_batches(target, tokenizer, prompts, answers, run, s, f"{suite} T={temperature:g}"):
@@ -253,12 +140,12 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
         for i, (record, answer) in zip(chunk, done):
             turns[i].append(record)
             answers[i].append(answer)
-    records = _prompt_records(prompts, turns)
+    records = prompt_records(prompts, turns)
     total = sum(len(p.turns) for p in prompts)
     metrics = summarize([r["accepted_counts"] for r in records], [r["new_tokens"] for r in records],
                         [r["steps"] for r in records], drafter.num_draft_tokens, n_boot=s.num_bootstrap,
                         seed=stable_seed(s.seed, suite, float(temperature), "bootstrap"))
-    return _entry(suite, temperature, metrics, total, run, records, s.measure_target_only)
+    return suite_entry(suite, temperature, metrics, total, run, records, s.measure_target_only)
 
 
 def _suite_evaluator(settings: DecodingSettings, temperature: float) -> Callable[..., dict]:
