@@ -558,7 +558,7 @@ def test_free_drafts_bench_replays_the_drafters_own_drafts(tmp_path):
 def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     """experiments.bench.draft_cost.measure: a positive median per drafter width and target width, the drafter's
     own_draft_tokens restored; the prefill leaves every row's anchor out of the cache."""
-    from experiments.bench import draft_cost
+    from experiments.bench import draft_cost, prefill
 
     tok = _tokenizer()
     target = _target(tok)
@@ -569,7 +569,7 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}
     assert all(v > 0 for v in ms.values()) and drafter.policy.own_draft_tokens == 2
     with torch.inference_mode():
-        cache, _, anchor_pos = draft_cost.prefill(target, drafter, 2, 12)
+        cache, _, anchor_pos = prefill(target, drafter, 2, 12)
     assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]
 
 

@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from drafters.tau import greedy_walk
+from verify.hf import cache_argument, new_growing_kv_cache
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -124,3 +125,19 @@ def lookup_replay(prompt: list[int], response: list[int], num_draft_tokens: int,
 
     ids = list(prompt) + list(response)
     return len(greedy_walk(lookup_leads(ids, num_draft_tokens, max_ngram, min_ngram), len(prompt), len(ids))[0])
+
+
+def prefill(target, drafter, batch: int, context: int, seed: int = 0):
+    """The target's cache over ``context`` random tokens per row, handed to the drafter; the rows' anchors and their
+    positions."""
+    vocab = target.get_output_embeddings().out_features
+    ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(seed)).to(target.device)
+    mask = torch.ones_like(ids[:, :-1])
+    positions = torch.arange(context - 1, device=ids.device).expand(batch, -1)
+    cache = new_growing_kv_cache(target, 64)
+    out = target(input_ids=ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
+                 output_hidden_states=True, logits_to_keep=1, **{cache_argument(target): cache})
+    drafter.reset(batch)
+    drafter.bind_target_cache(cache)
+    drafter.extend(ids[:, :-1], mask, positions, [out.hidden_states[i] for i in drafter.target_layer_ids])
+    return cache, ids[:, -1], torch.full((batch,), context - 1, device=ids.device)

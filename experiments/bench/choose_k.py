@@ -29,8 +29,7 @@ from drafters.model import BlockDiffusionDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
 from experiments.bench import lookup_replay as replay
-from experiments.bench import write_record
-from experiments.bench.draft_cost import prefill
+from experiments.bench import prefill, write_record
 from experiments.data.target import load_target
 from experiments.pipeline.replay import assistant_leads, block_leads
 from verify.hf import cache_argument, new_growing_kv_cache
