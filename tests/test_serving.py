@@ -22,7 +22,6 @@ from experiments.serving.compare import (
     engine_walk,
     position_counts,
     sequence_acceptance,
-    sequence_leads,
     summary,
 )
 from experiments.serving.engine import ServingError, run_engine, run_engines, turn_order, vllm_python
@@ -136,7 +135,7 @@ trace = Path(job["trace"])
 def run_phase(llm, phase, stop_token_ids):
     with trace.open("a") as f:
         f.write(f"start {job['engine']} {phase['name']}\\n")
-    time.sleep(0.05)
+    time.sleep(job["sleep"])
     with trace.open("a") as f:
         f.write(f"end {job['engine']} {phase['name']}\\n")
     return {"name": phase["name"]}
@@ -155,16 +154,17 @@ def test_engines_take_turns_phase_by_phase_with_a_rotating_first(tmp_path):
     (tmp_path / "stand_in.py").write_text(STAND_IN_WORKER)
     env = fake_env(tmp_path / "env", f'exec {sys.executable} {tmp_path / "stand_in.py"} "$@"')
     trace = tmp_path / "trace"
-    phases = [{"name": f"p{i}"} for i in range(4)]
-    jobs = {name: {"model": "m", "engine": name, "trace": str(trace), "phases": phases} for name in "abc"}
-    results = run_engines(jobs, env_dir=env, start_timeout=60, run_timeout=60)
-    assert [[p["name"] for p in results[n]["phases"]] for n in "abc"] == [["p0", "p1", "p2", "p3"]] * 3
+    phases = [{"name": f"p{i}"} for i in range(3)]
+    jobs = {name: {"model": "m", "engine": name, "trace": str(trace), "phases": phases, "sleep": 1.0} for name in "abc"}
+    # run_timeout bounds each engine's own phases (3 x ~1.5 s), not all engines' together (~13 s)
+    results = run_engines(jobs, env_dir=env, start_timeout=60, run_timeout=9)
+    assert [[p["name"] for p in results[n]["phases"]] for n in "abc"] == [["p0", "p1", "p2"]] * 3
     lines = trace.read_text().split()
     events = list(zip(lines[0::3], lines[1::3], lines[2::3], strict=True))
     starts = [(engine, phase) for kind, engine, phase in events if kind == "start"]
-    assert starts == [(e, f"p{i}") for i in range(4) for e in turn_order(["a", "b", "c"], i)]
+    assert starts == [(e, f"p{i}") for i in range(3) for e in turn_order(["a", "b", "c"], i)]
     # one engine decodes at a time: every start is followed by its own end
-    assert all(events[2 * i][1:] == events[2 * i + 1][1:] and events[2 * i + 1][0] == "end" for i in range(12))
+    assert all(events[2 * i][1:] == events[2 * i + 1][1:] and events[2 * i + 1][0] == "end" for i in range(9))
     assert turn_order(["a", "b", "c"], 1) == ["b", "c", "a"]
 
 

@@ -124,8 +124,9 @@ def run_engines(jobs: dict[str, dict], *, env_dir: str | os.PathLike | None = No
     """Run every job of ``{name: job}`` (see :mod:`experiments.serving.vllm_worker`) with its phases
     interleaved (module doc); ``{name: result}``.
 
-    ``start_timeout``: seconds for each engine to load its model; ``run_timeout``: seconds for every phase of
-    every engine after that. Every worker's process group is stopped whatever happens (errors, timeouts, Ctrl-C).
+    ``start_timeout``: seconds for each engine to load its model; ``run_timeout``: seconds for each engine's
+    phases together (its own turns only: waiting for the other engines does not count). Every worker's process
+    group is stopped whatever happens (errors, timeouts, Ctrl-C).
     """
     python = vllm_python(env_dir)
     env = engine_environment(threads, kv_cache_gb, threads_bind)
@@ -139,18 +140,20 @@ def run_engines(jobs: dict[str, dict], *, env_dir: str | os.PathLike | None = No
             workers[name] = (proc, log, tmp)
             _wait(proc, (tmp / "ready").is_file, time.monotonic() + start_timeout, log, "engine start",
                   f"before the engine started (limit {start_timeout:.0f} s, model {job['model']}, engine {name})")
-        deadline = time.monotonic() + run_timeout
+        left = dict.fromkeys(jobs, float(run_timeout))  # each engine's own decoding time still allowed
         for phase in range(max(len(job.get("phases", [])) for job in jobs.values())):
             for name in turn_order(list(jobs), phase):
                 if phase < len(jobs[name].get("phases", [])):
                     proc, log, tmp = workers[name]
+                    start = time.monotonic()
                     (tmp / f"go_{phase}").write_text("")
-                    _wait(proc, (tmp / f"done_{phase}").is_file, deadline, log, "decoding",
-                          f"before engine {name} finished phase {phase} (limit {run_timeout:.0f} s for all phases)")
+                    _wait(proc, (tmp / f"done_{phase}").is_file, start + left[name], log, "decoding",
+                          f"before engine {name} finished phase {phase} (limit {run_timeout:.0f} s for its phases)")
+                    left[name] -= time.monotonic() - start
         results = {}
         for name, (proc, log, tmp) in workers.items():
-            _wait(proc, (tmp / "result.json").is_file, deadline, log, "decoding",
-                  f"before engine {name} wrote its result (limit {run_timeout:.0f} s)")
+            _wait(proc, (tmp / "result.json").is_file, time.monotonic() + max(left[name], 30.0), log, "decoding",
+                  f"before engine {name} wrote its result (limit {run_timeout:.0f} s for its phases)")
             results[name] = json.loads((tmp / "result.json").read_text())
             results[name]["log_tail"] = _tail(log, 2000)
         return results
