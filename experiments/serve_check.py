@@ -7,6 +7,7 @@ names its step (environment, drafter, export, engine start, decoding, metrics) a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import hydra
@@ -19,6 +20,8 @@ from experiments.serving.engine import ServingError
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve_check")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C, so the engines' process groups are stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from experiments.serving.check import run_serve_check
 
     try:

@@ -18,8 +18,13 @@ from conftest import tiny_target
 from drafters import BlockDiffusionDrafter
 from drafters.tau import greedy_walk
 from experiments.serving.check import load_drafter
-from experiments.serving.compare import engine_walk, position_counts, sequence_acceptance, summary
-from experiments.serving.engine import ServingError, run_engine, vllm_python
+from experiments.serving.compare import (
+    engine_walk,
+    position_counts,
+    sequence_acceptance,
+    summary,
+)
+from experiments.serving.engine import ServingError, run_engine, run_engines, turn_order, vllm_python
 from verify.generate import speculative_generate
 
 
@@ -114,3 +119,68 @@ def test_drafter_for_another_target_is_refused(tmp_path):
     other = tiny_target("llama", vocab_size=64, num_layers=3)
     with pytest.raises(ServingError, match=r"\[drafter\] drafter.path=.* cannot draft for this target: .*vocab_size"):
         load_drafter(str(tmp_path / "d"), other)
+
+
+STAND_IN_WORKER = '''
+import importlib.util, json, sys, time
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("vllm_worker", sys.argv[1])
+worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker)
+job = json.loads(Path(sys.argv[2]).read_text())
+trace = Path(job["trace"])
+
+
+def run_phase(llm, phase, stop_token_ids):
+    with trace.open("a") as f:
+        f.write(f"start {job['engine']} {phase['name']}\\n")
+    time.sleep(job["sleep"])
+    with trace.open("a") as f:
+        f.write(f"end {job['engine']} {phase['name']}\\n")
+    return {"name": phase["name"]}
+
+
+worker.build_engine = lambda job: None
+worker.run_phase = run_phase
+worker.engine_version = lambda: "stand-in"
+worker.main(sys.argv[2])
+'''
+
+
+def test_engines_take_turns_phase_by_phase_with_a_rotating_first(tmp_path):
+    import sys
+
+    (tmp_path / "stand_in.py").write_text(STAND_IN_WORKER)
+    env = fake_env(tmp_path / "env", f'exec {sys.executable} {tmp_path / "stand_in.py"} "$@"')
+    trace = tmp_path / "trace"
+    phases = [{"name": f"p{i}"} for i in range(3)]
+    jobs = {name: {"model": "m", "engine": name, "trace": str(trace), "phases": phases, "sleep": 1.0} for name in "abc"}
+    # run_timeout bounds each engine's own phases (3 x ~1.5 s), not all engines' together (~13 s)
+    results = run_engines(jobs, env_dir=env, start_timeout=60, run_timeout=9)
+    assert [[p["name"] for p in results[n]["phases"]] for n in "abc"] == [["p0", "p1", "p2"]] * 3
+    lines = trace.read_text().split()
+    events = list(zip(lines[0::3], lines[1::3], lines[2::3], strict=True))
+    starts = [(engine, phase) for kind, engine, phase in events if kind == "start"]
+    assert starts == [(e, f"p{i}") for i in range(3) for e in turn_order(["a", "b", "c"], i)]
+    # one engine decodes at a time: every start is followed by its own end
+    assert all(events[2 * i][1:] == events[2 * i + 1][1:] and events[2 * i + 1][0] == "end" for i in range(9))
+    assert turn_order(["a", "b", "c"], 1) == ["b", "c", "a"]
+
+
+def test_lookahead_verifies_the_last_step_past_the_cut_as_the_engine_counts_it():
+    target = tiny_target("llama", vocab_size=48, num_layers=3, init_range=0.3)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
+    with torch.no_grad():  # all logits 0 on both sides: greedy token 0 everywhere, every draft accepted
+        target.model.norm.weight.zero_()
+        drafter.norm.weight.zero_()
+    prompts = [[5, 9, 11, 20], [7, 8, 30, 31, 12, 40]]
+    cut = [[0] * 11, [0] * 11]
+    # the engine's steps are anchored at new tokens 1, 5 and 9 (of 11); the last block has two tokens before
+    # the cut, but the engine counts all 3 of its accepted drafts
+    with_lookahead = sequence_acceptance(drafter, target, prompts, cut, lookahead=3)
+    assert with_lookahead["engine_steps_accepted"] == [3, 3, 3] * 2
+    assert with_lookahead["mismatches"] == 0
+    without = sequence_acceptance(drafter, target, prompts, cut)
+    assert without["engine_steps_accepted"] == [3, 3, 2] * 2  # only 2 columns of the block exist past col 9
+    assert without["blockdraft"] == with_lookahead["blockdraft"]  # blockdraft's own walk stops at the cut

@@ -6,16 +6,18 @@
    trained for another target), and every suite's prompts, first turn only, rendered and encoded as
    ``experiments.evaluate`` does (chat template, the last ``max_prompt_tokens`` tokens);
 2. exports the drafter in the DFlash format (:func:`drafters.dflash.export_dflash`) into the run folder;
-3. runs vLLM (its own environment, :mod:`experiments.serving.engine`) once per speculator (target
-   alone, vLLM's n-gram lookup, the drafter), each on every suite at ``concurrency`` 1 (one request at
-   a time) and 8 (all of a suite's prompts submitted together, up to 8 decoded at once), T=0;
+3. loads one vLLM engine per speculator (target alone, vLLM's n-gram lookup, the drafter; its own
+   environment, :mod:`experiments.serving.engine`), all at once, and runs each on every suite at
+   ``concurrency`` 1 (one request at a time) and 8 (all of a suite's prompts submitted together, up to 8
+   decoded at once), T=0, the engines taking turns phase by phase;
 4. reads the engine's speculative-decoding counters per suite (step ``metrics`` when absent) and
    replays blockdraft's verification of the same drafter on the engine's own output sequences
    (:mod:`experiments.serving.compare`);
 5. writes ``serve_check.json``, ``serve_check.md`` (tables) and ``serve_check.png`` into the run folder.
 
-Acceptance is read from the concurrency-1 phase. The three engines run one after another (vLLM loads one
-model configuration per engine), so their speed ratios come from consecutive runs on the same machine.
+Acceptance is read from the concurrency-1 phase. vLLM loads one model configuration per engine, so the
+engines are separate processes; taking turns phase by phase (the first engine rotating) interleaves them, so
+their speed ratios are measured under the same load even on a shared machine.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from experiments.data.target import eos_token_ids, load_target
 from experiments.pipeline.evaluation import prompt_budget
 from experiments.pipeline.paths import cache_path, runs_path
 from experiments.serving.compare import sequence_acceptance
-from experiments.serving.engine import ServingError, run_engine, vllm_python
+from experiments.serving.engine import ServingError, vllm_python
+from experiments.serving.engine import run_engines as serve
 from experiments.serving.report import plot, tables
 
 SPECULATORS = ("target", "ngram", "drafter")
@@ -86,19 +89,21 @@ def _check_metrics(name: str, phases: list[dict]) -> None:
 
 
 def run_engines(cfg: DictConfig, drafter_dir: Path, num_drafts: int, suites, stop_ids) -> dict[str, dict]:
-    """Each speculator's engine result (:func:`experiments.serving.engine.run_engine`)."""
-    results = {}
-    for name in cfg.speculators:
-        if name not in SPECULATORS:
-            raise ValueError(f"speculators: unknown {name!r}; expected some of {SPECULATORS}")
-        job = engine_job(cfg, speculative_config(name, cfg, drafter_dir, num_drafts), suites, stop_ids)
-        print(f"[serve_check] vLLM with {name}: {sum(len(p) for p in suites.values())} prompts x "
-              f"{len(cfg.concurrency)} concurrency settings", flush=True)
-        results[name] = run_engine(job, env_dir=cfg.vllm.env, start_timeout=float(cfg.vllm.start_timeout),
-                                   run_timeout=float(cfg.vllm.run_timeout), threads=cfg.vllm.threads,
-                                   kv_cache_gb=int(cfg.vllm.kv_cache_gb), threads_bind=cfg.vllm.threads_bind)
+    """Each speculator's engine result, all engines loaded at once and their phases taken in turns
+    (:func:`experiments.serving.engine.run_engines`)."""
+    unknown = [name for name in cfg.speculators if name not in SPECULATORS]
+    if unknown:
+        raise ValueError(f"speculators: unknown {unknown}; expected some of {SPECULATORS}")
+    jobs = {name: engine_job(cfg, speculative_config(name, cfg, drafter_dir, num_drafts), suites, stop_ids)
+            for name in cfg.speculators}
+    print(f"[serve_check] vLLM with {', '.join(jobs)} in turns: {sum(len(p) for p in suites.values())} prompts x "
+          f"{len(cfg.concurrency)} concurrency settings", flush=True)
+    results = serve(jobs, env_dir=cfg.vllm.env, start_timeout=float(cfg.vllm.start_timeout),
+                    run_timeout=float(cfg.vllm.run_timeout), threads=cfg.vllm.threads,
+                    kv_cache_gb=int(cfg.vllm.kv_cache_gb), threads_bind=cfg.vllm.threads_bind)
+    for name, result in results.items():
         if name != "target":
-            _check_metrics(name, results[name]["phases"])
+            _check_metrics(name, result["phases"])
     return results
 
 
@@ -118,7 +123,7 @@ def suite_acceptance(phase: dict, prompts, drafter, target, stop_ids) -> dict:
             "accepted_per_pos": spec["accepted_per_pos"][:k],
             "acceptance_length": 1 + spec["num_accepted_tokens"] / steps,
             "position_acceptance": [c / steps for c in spec["accepted_per_pos"][:k]]}
-    ours = sequence_acceptance(drafter, target, prompts, _outputs(phase, stop_ids))
+    ours = sequence_acceptance(drafter, target, prompts, _outputs(phase, stop_ids), lookahead=k)
     ours.pop("engine_steps_accepted")
     gap = vllm["acceptance_length"] / ours["engine_steps"]["acceptance_length"] - 1
     return {"vllm": vllm, **ours, "relative_difference": gap}
@@ -181,6 +186,8 @@ def run_serve_check(cfg: DictConfig) -> dict:
     results = run_engines(cfg, drafter_dir, num_drafts, suites, stop_ids)
     doc = {"settings": settings(cfg), "vllm_version": next(iter(results.values()))["vllm_version"],
            "num_prompts": {s: len(p) for s, p in suites.items()}, "speed_tokens_per_s": speeds(results),
+           "speed_by_phase": {n: {p["name"]: p["num_tokens"] / p["wall_s"] for p in r["phases"]}
+                              for n, r in results.items()},
            "outputs_identical": _identical_outputs(results), "acceptance": {},
            "engine_start_s": {n: r["startup_s"] for n, r in results.items()}}
     if "drafter" in results:
@@ -189,6 +196,11 @@ def run_serve_check(cfg: DictConfig) -> dict:
                 doc["acceptance"][phase["name"].split("/")[0]] = suite_acceptance(
                     phase, suites[phase["name"].split("/")[0]], drafter, target, stop_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "drafter" in results:  # what the acceptance was replayed on, to replay it again
+        (out_dir / "engine_outputs.json").write_text(json.dumps(
+            {p["name"]: {"prompts": suites[p["name"].split("/")[0]], "outputs": p["outputs"],
+                         "finish_reasons": p["finish_reasons"]}
+             for p in results["drafter"]["phases"] if p["concurrency"] == 1}) + "\n")
     (out_dir / "serve_check.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out_dir / "serve_check.md").write_text(tables(doc))
     plot(doc, out_dir / "serve_check.png")

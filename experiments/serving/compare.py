@@ -13,7 +13,8 @@ target's greedy token on the true context):
 
 A step with n accepted drafts keeps n + 1 tokens; position k (1-based) is accepted in a step when
 n >= k. Where the target's own greedy token differs from the engine's output (numerical divergence
-between the stacks), ``mismatches`` counts the columns.
+between the stacks), ``mismatches`` counts the columns (the ``lookahead`` tokens are the target's own
+greedy tokens and count only where a cached and an uncached forward disagree).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from drafters.tau import anchor_acceptance, greedy_walk
+from verify.generate import target_generate
 
 
 def engine_walk(lead: Sequence[int], first_anchor: int, length: int) -> list[int]:
@@ -70,13 +72,22 @@ def sequence_leads(drafter, target, prompt: Sequence[int], output: Sequence[int]
 
 
 def sequence_acceptance(drafter, target, prompts: Sequence[Sequence[int]],
-                        outputs: Sequence[Sequence[int]]) -> dict:
-    """blockdraft's and the engine's step counts (see the module doc) pooled over sequences."""
+                        outputs: Sequence[Sequence[int]], lookahead: int = 0) -> dict:
+    """blockdraft's and the engine's step counts (see the module doc) pooled over sequences.
+
+    ``lookahead``: tokens of the target's greedy continuation (EOS ignored) appended to each sequence before its
+    blocks are verified. vLLM counts the drafts a step accepts before it cuts the output at ``max_tokens`` or
+    EOS, so its last step's count needs the tokens past the cut; the serving check passes K. blockdraft's own
+    walk cuts at the output's end and does not depend on it."""
     if len(prompts) != len(outputs):
         raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
     ours, engine, mismatches, kept = [], [], 0, 0
     for prompt, output in zip(prompts, outputs, strict=True):
-        lead, bad = sequence_leads(drafter, target, prompt, output)
+        longer = list(output)
+        if lookahead:
+            ids = torch.tensor([list(prompt) + longer], device=drafter.weight_ref.device)
+            longer += target_generate(target, ids, max_new_tokens=lookahead).new_tokens[0]
+        lead, bad = sequence_leads(drafter, target, prompt, longer)
         mismatches += bad
         length = len(prompt) + len(output)
         accepted, step_kept = greedy_walk(lead, len(prompt), length)

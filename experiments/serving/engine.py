@@ -1,8 +1,11 @@
 """Driving vLLM from blockdraft's environment: the engine runs in its own virtual environment
 (vLLM pins another transformers), as a child process group that is stopped on every exit path.
 
-:func:`run_engine` writes a job (JSON) for :mod:`experiments.serving.vllm_worker`, starts it with the
-vLLM environment's Python, waits for the engine to come up, then for its result. Every failure is a
+:func:`run_engines` writes one job (JSON) per engine for :mod:`experiments.serving.vllm_worker`, starts
+each with the vLLM environment's Python and waits for it to come up, so that all engines are loaded at
+once; then it hands out the phases in turns (phase 1 to every engine, then phase 2, …, the engine that
+goes first rotating from one phase to the next), so that a machine whose load drifts slows every engine
+alike and their speed ratios compare like with like. :func:`run_engine` runs one engine. Every failure is a
 :class:`ServingError` that names the step: ``environment`` (no vLLM environment), ``engine start``
 (the engine did not come up in time, or its process died while loading the model), ``decoding``
 (it died or timed out while decoding) or ``metrics`` (see :mod:`experiments.serving.check`).
@@ -10,6 +13,7 @@ vLLM environment's Python, waits for the engine to come up, then for its result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,31 +101,64 @@ def engine_environment(threads: int | None, kv_cache_gb: int, threads_bind: str 
     return env
 
 
-def run_engine(job: dict, *, env_dir: str | os.PathLike | None = None, start_timeout: float = 300,
-               run_timeout: float = 1800, threads: int | None = None, kv_cache_gb: int = 2,
-               threads_bind: str | None = None, workdir: str | os.PathLike | None = None) -> dict:
-    """Run ``job`` (see :mod:`experiments.serving.vllm_worker`) in the vLLM environment; its result.
+def _launch(python: Path, job: dict, tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    """Start the worker for ``job`` in ``tmp`` (its own process group); the process and its log file."""
+    job = {**job, "ready_file": str(tmp / "ready"), "out": str(tmp / "result.json"), "turns_dir": str(tmp)}
+    (tmp / "job.json").write_text(json.dumps(job))
+    log = tmp / "worker.log"
+    with log.open("w") as log_file:
+        proc = subprocess.Popen([str(python), str(WORKER), str(tmp / "job.json")], stdout=log_file,
+                                stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True, env=env)
+    return proc, log
 
-    ``start_timeout``: seconds for the engine to load the model; ``run_timeout``: seconds for every phase
-    after that. The worker's process group is stopped whatever happens (errors, timeouts, Ctrl-C).
+
+def turn_order(names: list[str], phase: int) -> list[str]:
+    """The engines' order in ``phase``: rotated by one from each phase to the next."""
+    shift = phase % len(names)
+    return names[shift:] + names[:shift]
+
+
+def run_engines(jobs: dict[str, dict], *, env_dir: str | os.PathLike | None = None, start_timeout: float = 300,
+                run_timeout: float = 1800, threads: int | None = None, kv_cache_gb: int = 2,
+                threads_bind: str | None = None, workdir: str | os.PathLike | None = None) -> dict[str, dict]:
+    """Run every job of ``{name: job}`` (see :mod:`experiments.serving.vllm_worker`) with its phases
+    interleaved (module doc); ``{name: result}``.
+
+    ``start_timeout``: seconds for each engine to load its model; ``run_timeout``: seconds for each engine's
+    phases together (its own turns only: waiting for the other engines does not count). Every worker's process
+    group is stopped whatever happens (errors, timeouts, Ctrl-C).
     """
     python = vllm_python(env_dir)
-    with tempfile.TemporaryDirectory(prefix="vllm-job-", dir=workdir) as tmp:
-        tmp = Path(tmp)
-        job = {**job, "ready_file": str(tmp / "ready"), "out": str(tmp / "result.json")}
-        (tmp / "job.json").write_text(json.dumps(job))
-        log = tmp / "worker.log"
-        with log.open("w") as log_file:
-            proc = subprocess.Popen([str(python), str(WORKER), str(tmp / "job.json")], stdout=log_file,
-                                    stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
-                                    env=engine_environment(threads, kv_cache_gb, threads_bind))
-        try:
+    env = engine_environment(threads, kv_cache_gb, threads_bind)
+    with tempfile.TemporaryDirectory(prefix="vllm-jobs-", dir=workdir) as root, contextlib.ExitStack() as stack:
+        workers = {}
+        for name, job in jobs.items():
+            tmp = Path(root) / name
+            tmp.mkdir()
+            proc, log = _launch(python, job, tmp, env)
+            stack.callback(_stop, proc)
+            workers[name] = (proc, log, tmp)
             _wait(proc, (tmp / "ready").is_file, time.monotonic() + start_timeout, log, "engine start",
-                  f"before the engine started (limit {start_timeout:.0f} s, model {job['model']})")
-            _wait(proc, (tmp / "result.json").is_file, time.monotonic() + run_timeout, log, "decoding",
-                  f"before it finished decoding (limit {run_timeout:.0f} s)")
-            result = json.loads((tmp / "result.json").read_text())
-            result["log_tail"] = _tail(log, 2000)
-            return result
-        finally:
-            _stop(proc)
+                  f"before the engine started (limit {start_timeout:.0f} s, model {job['model']}, engine {name})")
+        left = dict.fromkeys(jobs, float(run_timeout))  # each engine's own decoding time still allowed
+        for phase in range(max(len(job.get("phases", [])) for job in jobs.values())):
+            for name in turn_order(list(jobs), phase):
+                if phase < len(jobs[name].get("phases", [])):
+                    proc, log, tmp = workers[name]
+                    start = time.monotonic()
+                    (tmp / f"go_{phase}").write_text("")
+                    _wait(proc, (tmp / f"done_{phase}").is_file, start + left[name], log, "decoding",
+                          f"before engine {name} finished phase {phase} (limit {run_timeout:.0f} s for its phases)")
+                    left[name] -= time.monotonic() - start
+        results = {}
+        for name, (proc, log, tmp) in workers.items():
+            _wait(proc, (tmp / "result.json").is_file, time.monotonic() + max(left[name], 30.0), log, "decoding",
+                  f"before engine {name} wrote its result (limit {run_timeout:.0f} s for its phases)")
+            results[name] = json.loads((tmp / "result.json").read_text())
+            results[name]["log_tail"] = _tail(log, 2000)
+        return results
+
+
+def run_engine(job: dict, **settings) -> dict:
+    """Run one engine's ``job``; its result. ``settings``: those of :func:`run_engines`."""
+    return run_engines({"engine": job}, **settings)["engine"]

@@ -5,7 +5,9 @@ config), writes ``<ready_file>`` once the engine is up, then for each phase deco
 prompts greedily, at ``concurrency`` 1 (one request at a time) or all at once (the engine runs up to
 ``max_num_seqs`` of them together), and writes ``<out>``: per phase the output token ids, finish
 reasons, wall time and the engine's speculative-decoding counters over that phase (differences of
-``LLM.get_metrics()``'s cumulative ``vllm:spec_decode_*`` counters). Imports vLLM and the standard
+``LLM.get_metrics()``'s cumulative ``vllm:spec_decode_*`` counters). With ``turns_dir`` set, phase i
+waits for the file ``<turns_dir>/go_i`` and writes ``<turns_dir>/done_i`` after it, so that a driver can
+take turns between engines (:func:`experiments.serving.engine.run_engines`). Imports vLLM and the standard
 library only: this file is the whole interface between the two environments (job and result as JSON).
 """
 
@@ -76,16 +78,33 @@ def build_engine(job: dict):
     return LLM(**kwargs)
 
 
+def engine_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def run_phases(llm, job: dict) -> list[dict]:
+    """Every phase of ``job``, each after its turn file when ``turns_dir`` is set (module doc)."""
+    turns = Path(job["turns_dir"]) if job.get("turns_dir") else None
+    phases = []
+    for index, phase in enumerate(job["phases"]):
+        while turns is not None and not (turns / f"go_{index}").is_file():
+            time.sleep(0.05)
+        phases.append(run_phase(llm, phase, job.get("stop_token_ids") or []))
+        if turns is not None:
+            (turns / f"done_{index}").write_text("")
+    return phases
+
+
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     start = time.perf_counter()
     llm = build_engine(job)
     startup = time.perf_counter() - start
     Path(job["ready_file"]).write_text(f"{startup:.1f}\n")
-    import vllm
-
-    phases = [run_phase(llm, phase, job.get("stop_token_ids") or []) for phase in job["phases"]]
-    result = {"vllm_version": vllm.__version__, "startup_s": startup, "phases": phases}
+    phases = run_phases(llm, job)
+    result = {"vllm_version": engine_version(), "startup_s": startup, "phases": phases}
     tmp = Path(job["out"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(job["out"])
