@@ -22,8 +22,10 @@ from experiments.pipeline.run_folder import staging_dir
 
 def times(count: int, factor: float) -> int:
     """``count * factor`` as an integer step count; a product that is not a whole number is an error."""
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in (count, factor)):
+        raise ValueError(f"${{times:{count!r},{factor!r}}} needs two numbers (e.g. budget=2 on the command line)")
     product = count * factor
-    if isinstance(count, bool) or isinstance(factor, bool) or product != int(product):
+    if product != int(product):
         raise ValueError(f"${{times:{count},{factor}}}: the product must be a whole number of steps, got {product}")
     return int(product)
 

@@ -64,6 +64,8 @@ def test_times_resolver_scales_step_counts_and_refuses_fractions():
     assert times(700, 4) == 2800 and times(40, 1.5) == 60
     with pytest.raises(ValueError, match="whole number"):
         times(35, 0.5)
+    with pytest.raises(ValueError, match="needs two numbers"):
+        times(700, "abc")
 
 
 def test_the_ablation_queue_trains_the_sweeps_losses():
