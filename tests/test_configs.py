@@ -172,16 +172,16 @@ def _sweep_jobs(experiment: str, arguments: list[str]) -> list[dict[str, str]]:
 
 
 def test_ablation_sweeps_every_loss_and_command_line_seeds():
-    jobs = _sweep_jobs("l2r_ablation", [])
+    jobs = _sweep_jobs("l2r_ablation_tiny", [])
     losses = [j["loss"] for j in jobs]
     assert losses == ["uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all"]
     assert {j["seed"] for j in jobs} == {"0"}
     assert all((CONF / "loss" / f"{loss}.yaml").is_file() for loss in losses)
     # the README / config comment: `seed=0,1,2` on the command line repeats every loss per seed
-    jobs = _sweep_jobs("l2r_ablation", ["seed=0,1,2", "loss=uniform,l2r_all"])
+    jobs = _sweep_jobs("l2r_ablation_tiny", ["seed=0,1,2", "loss=uniform,l2r_all"])
     assert sorted((j["loss"], j["seed"]) for j in jobs) == sorted(
         (loss, s) for loss in ("uniform", "l2r_all") for s in "012")
-    cfg = _compose("train", ["experiment=l2r_ablation"])
+    cfg = _compose("train", ["experiment=l2r_ablation_tiny"])
     subdir = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"]
     assert subdir == "${hydra:runtime.choices.loss}-s${seed}"  # one dir per (loss, seed)
 
@@ -206,7 +206,7 @@ def _regime(cfg) -> dict:
 
 @pytest.mark.parametrize("experiment", ["layerwise", "hinted", "hinted_store"])
 def test_sweeps_share_the_ablations_regime(experiment):
-    ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
+    ablation = _regime(_compose("train", ["experiment=l2r_ablation_tiny"]))
     assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
 
 
@@ -248,7 +248,7 @@ def test_the_main_jobs_drafters_are_core_dflash_drafters():
     assert data.data.generation == trained.data.generation and data.batch_size == trained.regenerate.batch_size
 
 
-@pytest.mark.parametrize("experiment", ["l2r_ablation", "l2r_long", "layerwise", "hinted", "hinted_store",
+@pytest.mark.parametrize("experiment", ["l2r_ablation_tiny", "l2r_long", "layerwise", "hinted", "hinted_store",
                                         "l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma"])
 def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
     """conf/regime/ablation.yaml makes each of its experiments a multirun whose report carries the untrained
@@ -296,7 +296,7 @@ def test_target_depth_reads_the_config_or_names_the_path(tmp_path):
 
 
 def test_the_long_run_lengthens_the_regime():
-    ablation = _regime(_compose("train", ["experiment=l2r_ablation"]))
+    ablation = _regime(_compose("train", ["experiment=l2r_ablation_tiny"]))
     long = _regime(_compose("train", ["experiment=l2r_long"]))
     assert long["suite"] == ablation["suite"] and long["data"]["backend"] == ablation["data"]["backend"]
     assert long["train.max_steps"] > ablation["train.max_steps"]

@@ -140,6 +140,28 @@ def test_resume_refuses_another_objective_and_allows_another_budget(env):
     assert summary["steps"] == 3 and summary["resumed_from_step"] == 2
 
 
+def test_resume_ignores_where_the_recorded_answers_lie_but_not_the_data(tmp_path):
+    """A run resumed from another checkout (the recorded answers' asset elsewhere) keeps its fingerprint, also
+    against a run_settings.json saved with that path in it; other data settings are refused."""
+    from omegaconf import OmegaConf
+
+    from experiments.pipeline.training import FINGERPRINT, check_resume_settings, run_fingerprint
+
+    def config(path: str, seed: int):
+        return OmegaConf.create({"data": {"backend": {"path": path, "check_batches": 1}, "generation": {"seed": seed}},
+                                 "loss": {"gamma": 2.0}})
+
+    here = run_fingerprint(config("/one/checkout/assets/answers", 0))
+    assert run_fingerprint(config("/another/clone/assets/answers", 0)) == here
+    assert run_fingerprint(config("/one/checkout/assets/answers", 1)) != here
+    assert here["data.backend.check_batches"] == 1 and "data.backend.path" not in here
+    saved = {**here, "data.backend.path": "/one/checkout/assets/answers"}  # as written before the path was freed
+    (tmp_path / FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": saved}))
+    check_resume_settings(tmp_path, config("/another/clone/assets/answers", 0))
+    with pytest.raises(ValueError, match=r"data\.generation\.seed: 0 -> 1"):
+        check_resume_settings(tmp_path, config("/another/clone/assets/answers", 1))
+
+
 # ----------------------------------------------------------------------------- 5. damaged files
 
 

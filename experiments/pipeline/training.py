@@ -133,13 +133,14 @@ def build(cfg: DictConfig):
 
 # What a resumed run must share with the run it continues (dotted prefixes of the resolved config);
 # the budget (train.max_steps and what follows from it) may change, as may what does not change the
-# optimisation (logging, validation cadence, threads, trainer, evaluation).
+# optimisation (logging, validation cadence, threads, trainer, evaluation) and where the recorded answers lie
+# (data.backend.path: a re-clone or worktree; the run reads data.data_dir, named by the data settings).
 RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "scheduler", "seed",
                "train.gradient_clip_val", "train.accumulate_grad_batches")
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
                "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
                "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
-               "drafter.allow_other_target")
+               "drafter.allow_other_target", "data.backend.path")
 FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
@@ -169,7 +170,12 @@ def run_fingerprint(cfg: DictConfig) -> dict:
     """The settings a resumed run must keep (:data:`RESUME_KEYS` minus :data:`RESUME_FREE`), flat."""
     full = _flatten(OmegaConf.to_container(cfg, resolve=True), "")
     keep = {k: v for k, v in full.items() if any(k == p or k.startswith(p + ".") for p in RESUME_KEYS)}
-    return {k: v for k, v in sorted(keep.items())
+    return _not_free(keep)
+
+
+def _not_free(settings: dict) -> dict:
+    """``settings`` (flat) without the keys under :data:`RESUME_FREE`, sorted."""
+    return {k: v for k, v in sorted(settings.items())
             if not any(k == p or k.startswith(p + ".") for p in RESUME_FREE)}
 
 
@@ -179,7 +185,7 @@ def check_resume_settings(run_dir: Path, cfg: DictConfig) -> None:
     if not path.is_file():
         return  # a run from before fingerprints: accepted, and fingerprinted now
     saved = locks.read_json(path, "run settings")
-    old, new = saved.get("settings", {}), run_fingerprint(cfg)
+    old, new = _not_free(saved.get("settings", {})), run_fingerprint(cfg)  # saved before a key was freed: freed
     choices = {k: (v, _choices().get(k)) for k, v in (saved.get("choices") or {}).items() if v != _choices().get(k)}
     diffs = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
              for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]

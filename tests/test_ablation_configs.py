@@ -1,0 +1,77 @@
+"""experiment=l2r_ablation and experiment=l2r_budget: the main job's training (experiment=smollm2) with the
+ablation's losses and seeds, and with its schedule scaled; experiments/ablation_queue.sh runs their jobs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+from test_configs import CONF, ROOT, _compose, _sweep_jobs
+
+from experiments import times
+
+# What the SmolLM2 ablation and budget curve keep from experiment=smollm2 (unresolved: same settings, same sources).
+SMOLLM2_KEYS = ["target", "drafter", "data", "module", "optimizer", "loss", "seed", "num_threads", "suite",
+                "evaluate.enabled", "train.checkpoint_every", "train.gradient_clip_val", "scheduler.min_lr_ratio"]
+
+
+def _same_as_smollm2(cfg, loss: str, seed: str) -> None:
+    main = _compose("train", ["experiment=smollm2", f"loss={loss}", f"seed={seed}"])
+    for key in SMOLLM2_KEYS:
+        ours, theirs = OmegaConf.select(cfg, key), OmegaConf.select(main, key)
+        if OmegaConf.is_config(ours):
+            ours, theirs = OmegaConf.to_container(ours), OmegaConf.to_container(theirs)
+        assert ours == theirs, key
+
+
+def test_the_smollm2_ablation_is_the_main_jobs_training_with_every_loss_and_three_seeds():
+    jobs = _sweep_jobs("l2r_ablation", [])
+    losses = sorted(p.stem for p in (CONF / "loss").glob("*.yaml"))
+    assert sorted((j["loss"], j["seed"]) for j in jobs) == sorted((loss, s) for loss in losses for s in "012")
+    cfg = _compose("train", ["experiment=l2r_ablation", "loss=decay", "seed=1"])
+    _same_as_smollm2(cfg, "decay", "1")
+    main = _compose("train", ["experiment=smollm2"])
+    for key in ("train.max_steps", "train.val_every", "scheduler.warmup_steps", "scheduler.max_steps"):
+        assert OmegaConf.select(cfg, key) == OmegaConf.select(main, key), key
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN" and not cfg.evaluate.enabled  # training only
+    sweep = OmegaConf.to_container(cfg.hydra, resolve=False)
+    assert sweep["sweep"]["dir"].endswith("/multirun/l2r_ablation") and sweep["run"]["dir"] == \
+        "${hydra.sweep.dir}/${hydra.sweep.subdir}"  # launch=run resumes the multirun's run dir
+    assert sweep["sweep"]["subdir"] == "${hydra:runtime.choices.loss}-s${seed}"
+    tiny = _compose("train", ["experiment=l2r_ablation_tiny"]).hydra.sweep.dir
+    assert tiny != sweep["sweep"]["dir"] and tiny.endswith("/multirun/l2r_ablation_tiny")
+
+
+@pytest.mark.parametrize("budget", [1, 2, 4])
+def test_the_budget_curve_scales_the_main_jobs_schedule(budget):
+    """experiment=l2r_budget at budget b: the main job's training with max_steps, val_every and warmup times b
+    (budget=1 is experiment=smollm2's schedule exactly); the sweep is uniform, decay, l2r_all at 2x and 4x."""
+    jobs = _sweep_jobs("l2r_budget", [])
+    assert sorted((j["loss"], j["budget"], j["seed"]) for j in jobs) == sorted(
+        (loss, b, "0") for loss in ("uniform", "decay", "l2r_all") for b in ("2", "4"))
+    cfg = _compose("train", ["experiment=l2r_budget", "loss=l2r_all", f"budget={budget}"])
+    _same_as_smollm2(cfg, "l2r_all", "0")
+    main = _compose("train", ["experiment=smollm2"])
+    for key in ("train.max_steps", "train.val_every", "scheduler.warmup_steps"):
+        assert OmegaConf.select(cfg, key) == budget * OmegaConf.select(main, key), key
+    assert cfg.scheduler.max_steps == cfg.trainer.max_steps == cfg.train.max_steps
+    assert OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"] == \
+        "${hydra:runtime.choices.loss}-x${budget}-s${seed}"
+
+
+def test_times_resolver_scales_step_counts_and_refuses_fractions():
+    assert times(700, 4) == 2800 and times(40, 1.5) == 60
+    with pytest.raises(ValueError, match="whole number"):
+        times(35, 0.5)
+    with pytest.raises(ValueError, match="needs two numbers"):
+        times(700, "abc")
+
+
+def test_the_ablation_queue_trains_the_sweeps_losses():
+    """experiments/ablation_queue.sh's loss list is experiment=l2r_ablation's, and its budget runs are l2r_budget's."""
+    script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
+    (losses,) = re.findall(r"^LOSSES=\((.*)\)$", script, flags=re.MULTILINE)
+    assert losses.split() == [j["loss"] for j in _sweep_jobs("l2r_ablation", ["seed=0"])]
+    budget = {tuple(m) for m in re.findall(r"budget (\w+) (\d)", script)}
+    assert budget == {(j["loss"], j["budget"]) for j in _sweep_jobs("l2r_budget", [])}
