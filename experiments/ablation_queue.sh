@@ -10,6 +10,10 @@
 # Usage, from anywhere, relaunching the same command after a stop:
 #   BLOCKDRAFT_RUNS=<runs> BLOCKDRAFT_CACHE=<cache> PYTHON=.venv/bin/python \
 #     nohup bash experiments/ablation_queue.sh > <runs>/queue.log 2>&1 &
+# After each training the drafter is evaluated into <run>/eval (T=0 replayed; TEMPERATURES='[0.0,1.0]' adds T=1).
+# The report, from whatever runs exist:
+#   python -m experiments.report <runs>/multirun/l2r_ablation --baseline uniform --paper --out <report dir>
+#   python -m experiments.reporting.budget <runs>/multirun/l2r_ablation <runs>/multirun/l2r_budget --out <dir>
 # Stop it with `kill <queue pid>` (the training under way stops too). NICE (default 19) is the trainings'
 # niceness; extra arguments go to every training (e.g. num_threads=1).
 set -uo pipefail
@@ -42,8 +46,20 @@ child=
 # Stopping the queue stops the training under way too (it resumes from last.ckpt at the next launch).
 trap '[[ -n "$child" ]] && kill "$child" 2>/dev/null; wait; echo "[queue] stopped"; exit 143' TERM INT
 
-ablation() { for loss in "${LOSSES[@]}"; do train l2r_ablation "$loss-s$1" "loss=$loss" "seed=$1"; done; }
-budget() { train l2r_budget "$1-x$2-s0" "loss=$1" "budget=$2" seed=0; }
+evaluate() {  # evaluate EXPERIMENT RUN_SUBDIR: the trained drafter on the main job's suites into <run>/eval
+  # (conf/main.yaml's evaluate_overrides): T=0 replayed from the target's greedy answers (about a minute), and T=1
+  # decoded when TEMPERATURES='[0.0,1.0]' (minutes). A finished (suite, temperature) is skipped on relaunch.
+  local dir="$runs/multirun/$1/$2" log="$runs/queue_logs/$1-$2.log"
+  [[ -f "$dir/train_summary.json" ]] || return 0
+  nice -n "${NICE:-19}" "$py" -m experiments.evaluate target=smollm2 "drafter.path=$dir/drafter" progress=false \
+    batch_size=8 measure_target_only=false num_threads=2 replay_greedy=true "temperatures=${TEMPERATURES:-[0.0]}" \
+    suite.humaneval.limit=16 suite.gsm_symbolic.limit=16 suite.mtbench.limit=8 "hydra.run.dir=$dir/eval" >>"$log" 2>&1 &
+  child=$!
+  wait "$child" || echo "[queue] $1/$2: evaluation failed (rc $?), see $log"
+}
+ablation() { for loss in "${LOSSES[@]}"; do train l2r_ablation "$loss-s$1" "loss=$loss" "seed=$1"
+                                            evaluate l2r_ablation "$loss-s$1"; done; }
+budget() { train l2r_budget "$1-x$2-s0" "loss=$1" "budget=$2" seed=0; evaluate l2r_budget "$1-x$2-s0"; }
 
 EXTRA=("$@")
 ablation 0

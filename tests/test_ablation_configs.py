@@ -75,3 +75,14 @@ def test_the_ablation_queue_trains_the_sweeps_losses():
     assert losses.split() == [j["loss"] for j in _sweep_jobs("l2r_ablation", ["seed=0"])]
     budget = {tuple(m) for m in re.findall(r"budget (\w+) (\d)", script)}
     assert budget == {(j["loss"], j["budget"]) for j in _sweep_jobs("l2r_budget", [])}
+
+
+def test_the_ablation_queue_evaluates_like_the_main_job():
+    """The queue's evaluation of each trained drafter uses conf/main.yaml's evaluate_overrides (suites, batch, replay)."""
+    from omegaconf import OmegaConf
+
+    script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
+    call = script[script.index("-m experiments.evaluate"): script.index('"hydra.run.dir=$dir/eval"')]
+    main = OmegaConf.load(ROOT / "conf" / "main.yaml")
+    for override in main.evaluate_overrides:
+        assert override in call, override
