@@ -371,6 +371,9 @@ def test_paper_section_puts_the_papers_figures_beside_ours(multirun, tmp_path):
     assert (f"| chain | {PAPER_TAU['chain']} | {paper_gain:+.1f}% | {cell['tau']:.3f} | {100 * cell['gain']:+.1f}% ["
             in md)
     assert f"| l2r_all | {PAPER_TAU['l2r_all']} | +43.9% | — | — |" in md  # in the paper, not run here
+    from experiments.reporting.paper import paper_lines
+
+    assert paper_lines({"configurations": [], "table": {"t1": {}}}, "t1") == []  # nothing of the paper's: no table
     assert report["paper_tau"] == PAPER_TAU
 
 

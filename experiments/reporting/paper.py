@@ -35,7 +35,10 @@ def _ours(report: dict, config: str, key: str) -> tuple[str, str]:
 
 
 def paper_lines(report: dict, key: str = "t0") -> list[str]:
-    """Markdown: one row per configuration of the paper or of this report (paper's first), both τ and gains."""
+    """Markdown: one row per configuration of the paper or of this report (paper's first), both τ and gains; none
+    when no configuration of the paper was evaluated at ``key``."""
+    if all(_ours(report, config, key)[0] == "—" for config in PAPER_TAU):
+        return []
     configs = list(PAPER_TAU) + [c for c in dict.fromkeys(c["config"] for c in report["configurations"])
                                  if c not in PAPER_TAU]
     lines = [f"## Beside the paper (T={key[1:]}, mean over suites)", "",
