@@ -411,3 +411,23 @@ def _only_untrained(tmp_path):
     d.mkdir()
     (d / "results.json").write_text(json.dumps(_docs(3)[0] | {"drafter": {"name": "prompt_lookup"}}))
     return d
+
+
+def test_a_configuration_evaluated_at_t0_only_leaves_the_other_temperatures_mean(tmp_path):
+    """A baseline evaluated at T=0 only (the main job's prompt_lookup) is in the T=0 table and absent at T=1,
+    where the other configurations' mean over suites and its paired gain are still computed."""
+    uniform, chain = _docs()
+    lookup = json.loads(json.dumps(chain))
+    for entries in lookup["results"].values():
+        entries.pop("t1")
+    for name, doc in (("uniform", uniform), ("chain", chain), ("lookup", lookup)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    runs = rp.load_runs([tmp_path / f"{n}.json" for n in ("uniform", "chain", "lookup")],
+                        names=["uniform", "chain", "lookup"])
+    report = rp.write_report(runs, tmp_path / "out")
+    assert set(report["table"]["t0"]["mean"]) == {"uniform", "chain", "lookup"}
+    assert set(report["table"]["t1"]["mean"]) == {"uniform", "chain"}
+    mean_t1 = report["table"]["t1"]["mean"]["chain"]
+    expected = np.mean([chain["results"][s]["t1"]["tau"] for s in SUITES])
+    assert mean_t1["tau"] == pytest.approx(expected)
+    assert mean_t1["gain_ci_low"] is not None and mean_t1["gain_ci_low"] <= mean_t1["gain"] <= mean_t1["gain_ci_high"]

@@ -99,7 +99,8 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
     suites) and, for configurations other than the baseline, ``gain`` (τ/τ_baseline − 1),
     ``gain_ci_low/high`` (paired bootstrap, None without per-prompt records), ``paired_prompts`` and
     ``ci_overlap`` (whether the τ intervals of the configuration and the baseline overlap). The
-    ``mean`` pseudo-suite averages the suites every configuration evaluated at that temperature.
+    ``mean`` pseudo-suite averages the suites every configuration evaluated at that temperature (a configuration
+    not evaluated at a temperature at all, e.g. a baseline at T=0 only, has no cells there).
     """
     if not runs:
         raise ValueError("no runs to report")
@@ -114,9 +115,10 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
     curves: dict[str, dict[str, dict[str, dict]]] = {}
     for key in t_keys:
         table[key], curves[key] = {}, {}
-        common = [s for s in suites if all(key in run.results.get(s, {}) for run in runs)]
+        at_key = [run for run in runs if any(key in by_t for by_t in run.results.values())]
+        common = [s for s in suites if all(key in run.results.get(s, {}) for run in at_key)]
         for suite in suites + ([MEAN] if len(common) > 1 else []):
-            cells = _tau_cells(runs, key, suite, common, curves[key], num_bootstrap, seed)
+            cells = _tau_cells(at_key, key, suite, common, curves[key], num_bootstrap, seed)
             _add_gains(runs, cells, base_of, key, suite, common if suite == MEAN else [suite], num_bootstrap, seed)
             table[key][suite] = cells
     report = {
