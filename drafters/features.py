@@ -105,10 +105,13 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     bar = tqdm(total=len(rows), initial=done, desc="target features", unit="row", disable=not progress)
     while done < len(rows):
         chunk = rows[done: done + rows_per_part]
-        feats = []
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # batches of like lengths pad little
+        feats: list[torch.Tensor] = [None] * len(chunk)
         for s in range(0, len(chunk), batch_size):
-            feats += _encode(target, chunk[s: s + batch_size], target_layer_ids, device)
-            bar.update(len(chunk[s: s + batch_size]))
+            batch = order[s: s + batch_size]
+            for i, feat in zip(batch, _encode(target, [chunk[i] for i in batch], target_layer_ids, device)):
+                feats[i] = feat
+            bar.update(len(batch))
         offsets = np.cumsum([0] + [len(f) for f in feats]).astype(np.int64)
         part = root / f"part-{index:05d}.npy"
         _save_atomic(part.with_suffix(".offsets.npy"), offsets)  # offsets first: a part implies them

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The SmolLM2 ablation's trainings (experiment=l2r_ablation) and budget curve (experiment=l2r_budget) as one
-# resumable background queue: one training per process, one after the other, in the order that gives a usable
-# comparison soonest: every loss at seed 0; l2r_all and uniform at 2x; every loss at seed 1; decay at 2x; the
-# 4x runs; every loss at seed 2. A run whose train_summary.json exists is skipped; a killed one resumes from
+# resumable background queue, with the drafter's depth (experiment=l2r_layers): one training per process, one after
+# the other, in the order that answers the open questions soonest: l2r_all at 2x steps and with 2 layers, uniform
+# likewise; every loss at seed 0; every loss at seed 1; decay at 2x; the 4x runs; every loss at seed 2. A run whose train_summary.json exists is skipped; a killed one resumes from
 # its checkpoints/last.ckpt; a failed one is logged and retried at the next launch. Run dirs: the experiments'
-# <runs>/multirun/l2r_ablation/<loss>-s<seed> and <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed>; each
+# <runs>/multirun/l2r_ablation/<loss>-s<seed>, <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed> and
+# <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed>; each
 # run's output goes to <runs>/queue_logs/<experiment>-<run>.log. One queue at a time
 # (<runs>/.ablation_queue.lock).
 # Usage, from anywhere, relaunching the same command after a stop:
@@ -60,10 +61,12 @@ evaluate() {  # evaluate EXPERIMENT RUN_SUBDIR: the trained drafter on the main 
 ablation() { for loss in "${LOSSES[@]}"; do train l2r_ablation "$loss-s$1" "loss=$loss" "seed=$1"
                                             evaluate l2r_ablation "$loss-s$1"; done; }
 budget() { train l2r_budget "$1-x$2-s0" "loss=$1" "budget=$2" seed=0; evaluate l2r_budget "$1-x$2-s0"; }
+layers() { train l2r_layers "$1-L$2-s0" "loss=$1" "layers=$2" seed=0; evaluate l2r_layers "$1-L$2-s0"; }
 
 EXTRA=("$@")
+budget l2r_all 2; layers l2r_all 2
+budget uniform 2; layers uniform 2
 ablation 0
-budget l2r_all 2; budget uniform 2
 ablation 1
 budget decay 2
 budget uniform 4; budget decay 4; budget l2r_all 4

@@ -86,3 +86,20 @@ def test_the_ablation_queue_evaluates_like_the_main_job():
     main = OmegaConf.load(ROOT / "conf" / "main.yaml")
     for override in main.evaluate_overrides:
         assert override in call, override
+
+
+def test_the_depth_runs_are_the_main_jobs_training_with_two_layers():
+    """experiment=l2r_layers: the main job's training (1 layer) with the drafter's depth set by `layers`; the
+    queue trains its sweep's jobs."""
+    jobs = _sweep_jobs("l2r_layers", [])
+    assert sorted((j["loss"], j["layers"], j["seed"]) for j in jobs) == [("l2r_all", "2", "0"), ("uniform", "2", "0")]
+    cfg = _compose("train", ["experiment=l2r_layers", "loss=l2r_all", "layers=2"])
+    main = _compose("train", ["experiment=smollm2", "loss=l2r_all"])
+    assert cfg.drafter.num_layers == 2 and main.drafter.num_layers == 1
+    cfg.drafter.num_layers = main.drafter.num_layers
+    _same_as_smollm2(cfg, "l2r_all", "0")
+    assert OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"] == \
+        "${hydra:runtime.choices.loss}-L${layers}-s${seed}"
+    script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
+    assert {tuple(m) for m in re.findall(r"^.*layers (\w+) (\d)", script, flags=re.MULTILINE)} >= \
+        {(j["loss"], j["layers"]) for j in jobs}

@@ -39,13 +39,17 @@ def target():
     return tiny_target("llama", vocab_size=VOCAB, hidden_size=64, init_range=0.2)
 
 
-def test_cached_rows_equal_the_targets_hidden_states(target, tmp_path):
+@pytest.mark.parametrize("rows_per_part", [2, 7])
+def test_cached_rows_equal_the_targets_hidden_states(target, tmp_path, rows_per_part):
+    """Rows are batched by length within a part (7: one part, batches of 3 rows out of their order) and
+    written back in their own order."""
     rows = [r["input_ids"] for r in make_rows(7)]
+    assert sorted(map(len, rows)) != list(map(len, rows))
     root = compute_features(target, rows, tmp_path / "f", target_layer_ids=LAYERS, dtype="float32",
-                            batch_size=3, rows_per_part=2, progress=False)
+                            batch_size=3, rows_per_part=rows_per_part, progress=False)
     store = FeatureStore(root)
-    assert len(store) == 7 and len(list(root.glob("part-*.offsets.npy"))) == 4
-    for i, ids in enumerate(rows):  # batched with right padding, read back from 4 parts
+    assert len(store) == 7 and len(list(root.glob("part-*.offsets.npy"))) == -(-7 // rows_per_part)
+    for i, ids in enumerate(rows):  # batched with right padding, read back from the parts
         torch.testing.assert_close(store[i], reference(target, ids), atol=1e-5, rtol=1e-4)
 
 

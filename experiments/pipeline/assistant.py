@@ -297,7 +297,7 @@ def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, da
     return {
         "command": " ".join(["python -m experiments.train_assistant", *overrides]),
         "target_path_name": Path(str(cfg.target.path)).name,
-        "target_path": portable_path(cfg.target.path),
+        "target_path": cache_path(portable_path(cfg.target.path)),
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": model.config.vocab_size,
         "model": OmegaConf.to_container(cfg.model, resolve=True),

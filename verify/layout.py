@@ -1,0 +1,40 @@
+"""Column-major linear weights: the same values and shapes as PyTorch's ``(out, in)`` weights, stored so that
+``F.linear`` hands BLAS a plain (untransposed) operand.
+
+On this CPU's BLAS, ``F.linear`` over a row-major weight falls off a cliff at 4 rows and more: SmolLM2's 576->1536
+projection costs several times more at 4 rows than at 3 (``experiments.bench.linear_layout``), which makes a target
+forward over 4+ verified columns cost far more than its arithmetic. A column-major weight has no such cliff. The
+values are untouched, so a model's outputs are those of the same matrix products (to float rounding of the BLAS
+kernel, like any change of batch shape).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in) with the same values, stored column-major: strides (1, out)."""
+    return weight.t().contiguous().t()
+
+
+def is_column_major(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
+
+
+@torch.no_grad()
+def column_major_linears(model: nn.Module) -> int:
+    """Store every ``nn.Linear`` weight of ``model`` column-major, in place; a weight shared by several modules (tied
+    embeddings and LM head) stays shared. Returns how many distinct weights were re-laid. Idempotent."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, name))
+    weights = {id(m.weight): m.weight for m in model.modules()
+               if isinstance(m, nn.Linear) and not is_column_major(m.weight)}
+    for key, old in weights.items():
+        new = nn.Parameter(column_major(old.data), requires_grad=old.requires_grad)
+        for module, name in holders[key]:
+            setattr(module, name, new)
+    return len(weights)
