@@ -83,7 +83,7 @@ def test_experiments_top_level_holds_only_entry_points():
                    "target_quality", "train_assistant", "serve_check"}
     assert all(is_entry_point(EXPERIMENTS / f"{name}.py") for name in top)
     benches = {p.stem for p in (EXPERIMENTS / "bench").glob("*.py") if is_entry_point(p)}
-    assert benches == {"choose_k", "draft_cost", "free_drafts", "hints", "interleave", "interleave_plot", "learning", "learning_plot", "lookup", "losses", "scale", "step", "step_parts", "suite_steps", "train",
+    assert benches == {"choose_k", "draft_cost", "free_drafts", "hints", "interleave", "interleave_plot", "learning", "learning_plot", "linear_layout", "lookup", "losses", "scale", "step", "step_parts", "suite_steps", "train",
                        "verify"}
 
 

@@ -7,7 +7,7 @@ from conftest import tiny_target
 from torch import nn
 
 from verify.generate import target_generate
-from verify.layout import column_major, column_major_linears, is_column_major
+from verify.layout import column_major, column_major_linears, is_column_major, set_weight_layout
 
 
 def test_column_major_weight_has_the_same_values_and_shape():
@@ -42,3 +42,49 @@ def test_greedy_decoding_is_token_identical_after_relaying():
     column_major_linears(model)
     after = target_generate(model, prompts, max_new_tokens=12).sequences
     assert torch.equal(before, after)
+
+
+def test_a_wrapped_drafter_and_its_target_are_relaid_and_speculative_decoding_stays_greedy_identical():
+    from conftest import left_padded_prompts
+
+    from drafters import BlockDiffusionDrafter, DraftingPolicy, PolicyDrafter
+    from drafters.checks import target_weights_sha1
+    from verify.generate import speculative_generate
+
+    target = tiny_target("llama", vocab_size=64, seed=1)
+    torch.manual_seed(7)
+    drafter = PolicyDrafter(BlockDiffusionDrafter.from_target(target, block_size=6), DraftingPolicy())
+    ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
+    signature = target_weights_sha1(target)
+    before = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    assert set_weight_layout("row_major", target, drafter) == 0
+    assert set_weight_layout("column_major", target, drafter) > 0
+    inner = [m for m in drafter.drafter.modules() if isinstance(m, nn.Linear)]
+    assert inner and all(is_column_major(m.weight) for m in inner)
+    assert target_weights_sha1(target) == signature  # the drafter still knows its target
+    after = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    greedy = target_generate(target, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    assert torch.equal(after.sequences, before.sequences) and torch.equal(after.sequences, greedy.sequences)
+
+
+def test_an_unknown_layout_is_named():
+    import pytest
+
+    from experiments.pipeline.settings import DecodingSettings
+
+    with pytest.raises(ValueError, match="weight_layout: 'diagonal' is not one of"):
+        DecodingSettings(weight_layout="diagonal")
+    with pytest.raises(ValueError, match="weight_layout: 'diagonal'"):
+        set_weight_layout("diagonal", tiny_target("llama"))
+
+
+def test_the_layout_bench_times_both_layouts_and_writes_its_record(tmp_path):
+    import json
+
+    from experiments.bench import linear_layout
+
+    record = linear_layout.main(["--shapes", "8x4", "--rows", "1", "4", "--rounds", "4", "--out",
+                                 str(tmp_path / "l.json")])
+    assert set(record["median_ms"]) == {"8x4 rows=1", "8x4 rows=4"}
+    assert all(v["row_major"] > 0 and v["column_major"] > 0 for v in record["median_ms"].values())
+    assert json.loads((tmp_path / "l.json").read_text())["median_ms"] == record["median_ms"]

@@ -38,3 +38,23 @@ def column_major_linears(model: nn.Module) -> int:
         for module, name in holders[key]:
             setattr(module, name, new)
     return len(weights)
+
+
+def modules_of(obj, depth: int = 2) -> list[nn.Module]:
+    """The ``nn.Module`` s an object is or holds: itself, or its attributes' (wrappers of wrappers, ``depth``
+    levels: a policy wrapper around a block drafter, an assistant's draft model)."""
+    if isinstance(obj, nn.Module):
+        return [obj]
+    if depth == 0 or not hasattr(obj, "__dict__"):
+        return []
+    return [m for value in vars(obj).values() for m in modules_of(value, depth - 1)]
+
+
+def set_weight_layout(layout: str, *models) -> int:
+    """Lay out the linear weights of ``models`` (modules or drafter wrappers): ``row_major`` leaves them as loaded,
+    ``column_major`` re-lays them (:func:`column_major_linears`). Returns how many weights were re-laid."""
+    if layout == "row_major":
+        return 0
+    if layout != "column_major":
+        raise ValueError(f"weight_layout: {layout!r} is not one of ['row_major', 'column_major']")
+    return sum(column_major_linears(m) for obj in models for m in modules_of(obj))

@@ -27,6 +27,7 @@ from experiments.bench import evaluation_config, prefill, with_defaults, write_r
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter
 from verify.hf import cache_argument
+from verify.layout import set_weight_layout
 
 SKIP = 3  # first rounds left out of the medians
 
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(settings.num_threads)
     target, _ = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(), cfg.target.trust_remote_code)
     drafter = build_drafter(cfg, target).drafter.eval()
+    set_weight_layout(settings.weight_layout, target, drafter)
     ms = measure(target, drafter, batch=args.batch, context=args.context, widths=args.widths,
                  target_widths=args.target_widths, rounds=args.rounds)
     doc = write_record({"overrides": overrides, "batch": args.batch,

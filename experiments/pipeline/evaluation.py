@@ -64,6 +64,7 @@ from experiments.pipeline.suite_batches import (  # noqa: F401 (prompt_budget re
     turn_batches,
 )
 from verify.generate import speculative_generate, target_generate
+from verify.layout import set_weight_layout
 from verify.metrics import summarize
 
 
@@ -279,6 +280,7 @@ def _run_evaluation(cfg: DictConfig) -> dict:
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(),
                                     cfg.target.trust_remote_code)
     built = build_drafter(cfg, target)
+    set_weight_layout(settings.weight_layout, target, built.drafter)
     doc = {
         "format": RESULTS_FORMAT,
         "config": OmegaConf.to_container(cfg, resolve=True),

@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 
 from experiments.pipeline.records import GENERATION_KEYS
 
+WEIGHT_LAYOUTS = ("row_major", "column_major")
+
 
 @dataclass(frozen=True)
 class DecodingSettings:
@@ -38,6 +40,13 @@ class DecodingSettings:
     progress: bool = True  # a tqdm bar per (suite, temperature)
     #: T=0 entries replayed from the target's greedy answers (experiments.pipeline.replay): no speeds, no decoding
     replay_greedy: bool = False
+    #: how the target's and drafter's linear weights are stored (verify/layout.py): row_major (PyTorch's) or
+    #: column_major (no sgemm cliff at 4+ rows on CPU BLAS; same values)
+    weight_layout: str = "row_major"
+
+    def __post_init__(self):
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout: {self.weight_layout!r} is not one of {list(WEIGHT_LAYOUTS)}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> DecodingSettings:
