@@ -102,6 +102,17 @@ def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[st
     return out
 
 
+def _portable_argument(value):
+    """A bench argument with the paths it names written portably: a path, ``name=path`` or a list of them."""
+    if isinstance(value, list):
+        return [_portable_argument(v) for v in value]
+    if not isinstance(value, str) or not value:
+        return value
+    if "=" in value:
+        return portable_override(value)
+    return portable_override(f"x={value}")[2:]
+
+
 def write_record(doc: dict, out: str | Path) -> dict:
     """``doc`` with ``machine`` (platform, torch, threads) added and its ``overrides`` written portably
     (:func:`portable_override`), written as JSON to ``out`` (its folder made)."""
@@ -110,6 +121,8 @@ def write_record(doc: dict, out: str | Path) -> dict:
                               "threads": torch.get_num_threads()}}
     if "overrides" in doc:
         doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
+    if isinstance(doc.get("config"), dict):  # a bench's arguments: paths written as the overrides' are
+        doc["config"] = {k: _portable_argument(v) for k, v in doc["config"].items()}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
