@@ -431,3 +431,22 @@ def test_a_configuration_evaluated_at_t0_only_leaves_the_other_temperatures_mean
     expected = np.mean([chain["results"][s]["t1"]["tau"] for s in SUITES])
     assert mean_t1["tau"] == pytest.approx(expected)
     assert mean_t1["gain_ci_low"] is not None and mean_t1["gain_ci_low"] <= mean_t1["gain"] <= mean_t1["gain_ci_high"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    t1 = md[md.index("## Temperature 1"):]
+    assert "| lookup |" in md[:md.index("## Temperature 1")] and "| lookup |" not in t1
+    assert "### Speed (speculative / target-only" in t1
+
+
+def test_speed_tables_say_what_was_timed():
+    """A temperature whose evaluations timed the target alone shows speedups; one that did not shows the
+    speculative tokens/s under its own title; one with no speeds at all shows no speed table."""
+    from experiments.reporting.tables import _speed_section
+
+    timed = {"code": {"a": {"spec_tokens_per_s": 20.0, "target_tokens_per_s": 10.0, "speedup": 2.0}}}
+    untimed = {"code": {"a": {"spec_tokens_per_s": 20.0, "target_tokens_per_s": None, "speedup": None}}}
+    none = {"code": {"a": {"spec_tokens_per_s": None, "speedup": None}}}
+    assert "= speedup" in _speed_section(timed, ["code"], ["a"])[1]
+    assert "2.00×" in _speed_section(timed, ["code"], ["a"])[-1]
+    lines = _speed_section(untimed, ["code"], ["a"])
+    assert "target alone not timed" in lines[1] and "| a | 20 tok/s |" in lines
+    assert _speed_section(none, ["code"], ["a"]) == []

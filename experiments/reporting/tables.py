@@ -35,6 +35,19 @@ def _fmt_speed(cell: dict | None) -> str:
     return f"{cell['spec_tokens_per_s']:.0f} / {cell['target_tokens_per_s']:.0f} tok/s = {cell['speedup']:.2f}×"
 
 
+def _speed_section(table: dict, suites: list[str], names: list[str]) -> list[str]:
+    """The speed table of one temperature: speedups where the target alone was timed, else the speculative
+    tokens/s at the evaluation's batch size (titled so); nothing where no configuration has either."""
+    cells = [table[s].get(n) for n in names for s in suites]
+    if not any(c and c.get("spec_tokens_per_s") is not None for c in cells):
+        return []
+    timed = any(c and c.get("speedup") is not None for c in cells)
+    title = ("### Speed (speculative / target-only tokens per second = speedup)" if timed else
+             "### Throughput (speculative tokens per second at the evaluation's batch size; target alone not timed)")
+    return ["", title, ""] + _table(["configuration", *suites],
+                                    [[n, *(_fmt_speed(table[s].get(n)) for s in suites)] for n in names])
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
@@ -121,18 +134,17 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
               for c in report["configurations"]]
     for key, temperature in report["temperatures"].items():
         columns = list(report["table"][key])
+        here = [n for n in names if any(n in report["table"][key][s] for s in columns)]  # evaluated at this T
         lines += ["", f"## Temperature {temperature:g}", "", "### τ (95% CI)", ""]
         lines += _table(["configuration", *columns],
-                        [[n, *(_fmt_tau(report["table"][key][s].get(n)) for s in columns)] for n in names])
+                        [[n, *(_fmt_tau(report["table"][key][s].get(n)) for s in columns)] for n in here])
         if base is not None:
             lines += ["", f"### Gain over {base} (95% CI)", ""]
             lines += _table(["configuration", *columns],
                             [[n, *(_fmt_gain(report["table"][key][s].get(n)) for s in columns)]
-                             for n, c in zip(names, report["configurations"]) if base not in (n, c["config"])])
-        speed_cols = [s for s in columns if s != MEAN]
-        lines += ["", "### Speed (speculative / target-only tokens per second = speedup)", ""]
-        lines += _table(["configuration", *speed_cols],
-                        [[n, *(_fmt_speed(report["table"][key][s].get(n)) for s in speed_cols)] for n in names])
+                             for n, c in zip(names, report["configurations"])
+                             if n in here and base not in (n, c["config"])])
+        lines += _speed_section(report["table"][key], [s for s in columns if s != MEAN], here)
         lines += _source_section(report.get("draft_sources", {}).get(key, {}), names)
     if plots:
         lines += ["", "## Plots"]
