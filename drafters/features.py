@@ -106,7 +106,7 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     while done < len(rows):
         chunk = rows[done: done + rows_per_part]
         order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # batches of like lengths pad little
-        feats: list[torch.Tensor] = [None] * len(chunk)
+        feats: list[torch.Tensor | None] = [None] * len(chunk)
         for s in range(0, len(chunk), batch_size):
             batch = order[s: s + batch_size]
             for i, feat in zip(batch, _encode(target, [chunk[i] for i in batch], target_layer_ids, device)):

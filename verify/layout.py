@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+LAYOUTS = ("row_major", "column_major")  # the values of the decoding setting ``weight_layout``
+
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out, in) with the same values, stored column-major: strides (1, out)."""
@@ -53,8 +55,8 @@ def modules_of(obj, depth: int = 2) -> list[nn.Module]:
 def set_weight_layout(layout: str, *models) -> int:
     """Lay out the linear weights of ``models`` (modules or drafter wrappers): ``row_major`` leaves them as loaded,
     ``column_major`` re-lays them (:func:`column_major_linears`). Returns how many weights were re-laid."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight_layout: {layout!r} is not one of {list(LAYOUTS)}")
     if layout == "row_major":
         return 0
-    if layout != "column_major":
-        raise ValueError(f"weight_layout: {layout!r} is not one of ['row_major', 'column_major']")
     return sum(column_major_linears(m) for obj in models for m in modules_of(obj))

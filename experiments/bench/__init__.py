@@ -84,15 +84,21 @@ def evaluation_config(overrides: Iterable[str]):
 def portable_override(override: str) -> str:
     """``key=value`` with a value that names an existing file or folder written as committed records write paths
     (``$BLOCKDRAFT_CACHE/...`` inside the data cache); several overrides joined by spaces, each so."""
-    from experiments.pipeline.paths import cache_path, runs_path
-
     if " " in override:
         return " ".join(portable_override(o) for o in override.split(" ") if o)
     key, sep, value = override.partition("=")
-    if not (sep and value and Path(value).expanduser().exists()):
-        return override
+    return f"{key}={portable_value(value)}" if sep else override
+
+
+def portable_value(value: str) -> str:
+    """A value naming an existing file or folder as committed records write paths (``$BLOCKDRAFT_CACHE/...``,
+    ``$BLOCKDRAFT_RUNS/...``); other values as given."""
+    from experiments.pipeline.paths import cache_path, runs_path
+
+    if not (value and Path(value).expanduser().exists()):
+        return value
     cached = cache_path(value)
-    return f"{key}={cached if cached != value else runs_path(value)}"
+    return cached if cached != value else runs_path(value)
 
 
 def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[str]:
@@ -106,11 +112,9 @@ def _portable_argument(value):
     """A bench argument with the paths it names written portably: a path, ``name=path`` or a list of them."""
     if isinstance(value, list):
         return [_portable_argument(v) for v in value]
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str):
         return value
-    if "=" in value:
-        return portable_override(value)
-    return portable_override(f"x={value}")[2:]
+    return portable_override(value) if "=" in value else portable_value(value)
 
 
 def write_record(doc: dict, out: str | Path) -> dict:

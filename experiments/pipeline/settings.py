@@ -17,8 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.pipeline.records import GENERATION_KEYS
-
-WEIGHT_LAYOUTS = ("row_major", "column_major")
+from verify.layout import LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,8 @@ class DecodingSettings:
     weight_layout: str = "row_major"
 
     def __post_init__(self):
-        if self.weight_layout not in WEIGHT_LAYOUTS:
-            raise ValueError(f"weight_layout: {self.weight_layout!r} is not one of {list(WEIGHT_LAYOUTS)}")
+        if self.weight_layout not in LAYOUTS:
+            raise ValueError(f"weight_layout: {self.weight_layout!r} is not one of {list(LAYOUTS)}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> DecodingSettings:
