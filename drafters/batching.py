@@ -49,12 +49,16 @@ def sample_anchors(
     return anchors.to(device), anchor_mask.to(device)
 
 
+FEATURE_KEYS = ("features", "head_states")  # cached per-column target tensors a batch may carry
+
+
 def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad rows ``{"input_ids": list[int], "prompt_len": int}`` into a batch.
 
     Returns ``input_ids (B, S) long`` (padding = ``pad_token_id``), ``attention_mask (B, S) long``,
     ``prompt_len (B,) long`` and ``length (B,) long``; rows with cached target ``features`` ((len, F)
-    tensors, see :mod:`drafters.features`) add ``features (B, S, F)``, zero at padding.
+    tensors, see :mod:`drafters.features`) add ``features (B, S, F)``, zero at padding; likewise
+    ``head_states`` (the target's final states, for soft labels).
     """
     if not rows:
         raise ValueError("cannot collate an empty batch")
@@ -71,11 +75,12 @@ def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
         "prompt_len": torch.tensor([int(r["prompt_len"]) for r in rows], dtype=torch.long),
         "length": torch.tensor(lengths, dtype=torch.long),
     }
-    if "features" in rows[0]:
-        feats = torch.zeros(len(rows), width, rows[0]["features"].shape[-1])
-        for b, (r, n) in enumerate(zip(rows, lengths)):
-            feats[b, :n] = r["features"]
-        batch["features"] = feats
+    for key in FEATURE_KEYS:
+        if key in rows[0]:
+            feats = torch.zeros(len(rows), width, rows[0][key].shape[-1])
+            for b, (r, n) in enumerate(zip(rows, lengths)):
+                feats[b, :n] = r[key]
+            batch[key] = feats
     return batch
 
 

@@ -53,18 +53,19 @@ def select_blocks(
     ``num_anchors`` blocks per row are anchored at random response columns
     (:func:`drafters.data.sample_anchors` with ``generator``). ``states``: the target's hidden states
     (full HF tuple) or cached features (B, S, L*H). With ``soft``, the target's distributions at the
-    blocks' slots (N, K, V) come from ``target_logits`` (B, S, V); else probs is None. ``vocab``:
-    a candidate vocabulary (:class:`drafters.vocab.TrainVocab`): logits (N, K, V' + R) over the candidates and
-    R sampled negatives, labels as candidate indices, each block's labels cut at its first one outside.
+    blocks' slots (N, K, V) come from ``target_logits`` (B, S, V) or, when it is None, from the batch's cached
+    ``head_states`` (B, S, H) through the frozen LM head; else probs is None. ``vocab``: a candidate
+    vocabulary (:class:`drafters.vocab.TrainVocab`): logits (N, K, V' + R) over the candidates and R sampled
+    negatives, labels as candidate indices, each block's labels cut at its first one outside; soft labels are
+    then the target's distribution over those same columns (renormalised there, as the drafter's is).
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
     anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], num_anchors, generator)
-    extra = {} if vocab is None else {"vocab_ids": vocab.columns(generator)}
+    columns = None if vocab is None else vocab.columns(generator)  # (V' + R,)
+    extra = {} if columns is None else {"vocab_ids": columns}
     logits = drafter.forward_train(states, ids, None, anchors, amask, attn, batch["prompt_len"], **extra)  # (B,A,K,V)
     labels, mask = drafter.block_labels(ids, anchors, amask, attn)  # (B, A, K)
     if vocab is not None:
-        if soft:
-            raise ValueError("soft-label losses need the full vocabulary: drop module.train_vocab_size")
         labels, mask = remap_labels(labels, mask, vocab.table)
     keep = mask.any(-1)  # (B, A)
     # Drop padding blocks; when there are none, flatten instead (indexing would copy the logits
@@ -74,8 +75,24 @@ def select_blocks(
     if soft:
         cols = select(slot_positions(anchors, labels.shape[-1], ids.shape[1]))  # (N, K)
         rows = select(torch.arange(ids.shape[0], device=ids.device).view(-1, 1).expand_as(anchors))  # (N,)
-        target_probs = target_logits[rows.unsqueeze(-1), cols].float().softmax(-1)  # (N, K, V)
+        target_probs = slot_target_logits(drafter, batch, target_logits, rows.unsqueeze(-1), cols,
+                                          columns).float().softmax(-1)  # (N, K, V or V' + R)
     return select(logits), select(labels), select(mask), target_probs
+
+
+def slot_target_logits(drafter: nn.Module, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None,
+                       rows: torch.Tensor, cols: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+    """The target's logits at positions (rows, cols) (N, K), over ``columns`` (all when None): (N, K, V').
+
+    From ``target_logits`` (B, S, V) when given, else from the batch's cached final states ``head_states``
+    (B, S, H) through the target's LM head (:data:`drafters.features.HEAD`), which the drafter shares."""
+    if target_logits is not None:
+        picked = target_logits[rows, cols]  # (N, K, V)
+        return picked if columns is None else picked[..., columns]
+    if "head_states" not in batch:
+        raise ValueError("soft labels need the target's logits or cached head_states in the batch "
+                         "(data.features with a soft loss caches them)")
+    return drafter.head(batch["head_states"][rows, cols], columns)
 
 
 def slot_stats(logits, labels, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

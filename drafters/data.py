@@ -139,11 +139,11 @@ def split_by_id(ids: Sequence[str], fraction: float) -> tuple[list[int], list[in
 class RegenDataset(Dataset):
     """Rows of a regenerated dataset, cut to ``max_length`` tokens (rows left without a response
     token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int}``, plus
-    ``features`` ((len, F) float) when a :class:`drafters.features.FeatureStore` of the same rows
-    and ``max_length`` is given."""
+    one (len, F) float tensor per :class:`drafters.features.FeatureStore` of the same rows and
+    ``max_length`` in ``features``, under its key (``{"features": store, "head_states": store}``)."""
 
     def __init__(self, data, indices: Sequence[int] | None = None, max_length: int | None = None,
-                 features=None):
+                 features: dict | None = None):
         import pyarrow.compute as pc
 
         indices = range(len(data)) if indices is None else indices
@@ -153,10 +153,11 @@ class RegenDataset(Dataset):
         keep = [i for i in indices if min(lengths[i], limit) > prompt_lens[i] >= 1]
         self.data, self.indices, self.max_length = data, keep, max_length
         self.num_dropped = len(indices) - len(keep)
-        if features is not None and len(features) != len(data):
-            raise ValueError(f"feature cache {features.root} holds {len(features)} rows, the data {len(data)}: "
-                             "it belongs to another data dir; delete it to recompute")
-        self.features = features
+        for store in (features or {}).values():
+            if len(store) != len(data):
+                raise ValueError(f"feature cache {store.root} holds {len(store)} rows, the data {len(data)}: "
+                                 "it belongs to another data dir; delete it to recompute")
+        self.features = dict(features or {})
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -165,11 +166,11 @@ class RegenDataset(Dataset):
         row = self.data[self.indices[i]]
         ids = row["input_ids"] if self.max_length is None else row["input_ids"][: self.max_length]
         item = {"input_ids": ids, "prompt_len": int(row["prompt_len"])}
-        if self.features is not None:
-            item["features"] = self.features[self.indices[i]]
-            if item["features"].shape[0] != len(ids):
-                raise ValueError(f"feature cache {self.features.root} row {self.indices[i]} has "
-                                 f"{item['features'].shape[0]} columns, the data row {len(ids)}")
+        for key, store in self.features.items():
+            item[key] = store[self.indices[i]]
+            if item[key].shape[0] != len(ids):
+                raise ValueError(f"feature cache {store.root} row {self.indices[i]} has "
+                                 f"{item[key].shape[0]} columns, the data row {len(ids)}")
         return item
 
 
@@ -187,6 +188,8 @@ class RegenDataModule(L.LightningDataModule):
         features_dir: a complete feature cache of this data dir (:mod:`drafters.features`); training
             batches then carry ``features`` and the module skips the target forward. Validation
             batches never do (the teacher-forced τ needs the target's logits).
+        head_states_dir: a complete cache of the target's final states (``drafters.features.HEAD``); training
+            batches then carry ``head_states``, from which soft-label losses rebuild the target's logits.
     """
 
     def __init__(
@@ -201,6 +204,7 @@ class RegenDataModule(L.LightningDataModule):
         seed: int = 0,
         pad_token_id: int = 0,
         features_dir: str | Path | None = None,
+        head_states_dir: str | Path | None = None,
     ):
         super().__init__()
         if batch_size < 1:
@@ -211,9 +215,18 @@ class RegenDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.max_length, self.val_fraction, self.max_val_samples = max_length, val_fraction, max_val_samples
         self.num_workers, self.seed, self.pad_token_id = num_workers, seed, pad_token_id
-        self.features_dir = features_dir
+        self.features_dir, self.head_states_dir = features_dir, head_states_dir
         self.train_set: RegenDataset | None = None
         self.val_set: RegenDataset | None = None
+
+    def _store(self, root):
+        from drafters.features import FeatureStore
+
+        store = FeatureStore(root)
+        if store.meta.get("max_length") != self.max_length:
+            raise ValueError(f"feature cache {root} was cut at max_length {store.meta.get('max_length')}, "
+                             f"the data module at {self.max_length}")
+        return store
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -221,14 +234,8 @@ class RegenDataModule(L.LightningDataModule):
         data = load_regenerated(self.data_dir)
         ids = data.data.column("id").to_pylist()
         train_idx, val_idx = split_by_id(ids, self.val_fraction)
-        features = None
-        if self.features_dir is not None:
-            from drafters.features import FeatureStore
-
-            features = FeatureStore(self.features_dir)
-            if features.meta.get("max_length") != self.max_length:
-                raise ValueError(f"feature cache {self.features_dir} was cut at max_length "
-                                 f"{features.meta.get('max_length')}, the data module at {self.max_length}")
+        features = {key: self._store(root) for key, root in
+                    (("features", self.features_dir), ("head_states", self.head_states_dir)) if root is not None}
         self.train_set = RegenDataset(data, train_idx, self.max_length, features)
         self.val_set = RegenDataset(data, val_idx, self.max_length)
         if self.max_val_samples is not None:  # the same rows whatever the data dir's size order

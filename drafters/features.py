@@ -17,6 +17,11 @@ the last one. Parts are memory-mapped when read, so the cache may exceed the mac
 The feature of column c is ``concat(hidden_states[i][c] for i in target_layer_ids)``: exactly what
 :meth:`drafters.BlockDiffusionDrafter.context_kv` reads, so the drafter's context path (trained)
 still runs on every step.
+
+``target_layer_ids == ("head",)`` (:data:`HEAD`) caches instead the input of the target's output embeddings
+(its final, normed state, (tokens, H)): the frozen LM head turns it back into the target's logits, so a
+soft-label loss gets the target's distributions at the drafted slots without running the target
+(:func:`drafters.blocks.select_blocks`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tqdm.auto import tqdm
 from drafters.config import accepts_argument, target_fingerprint
 
 META = "meta.json"
+HEAD = "head"  # the layer id of the target's final state, the input of its LM head
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
@@ -40,8 +46,12 @@ def features_key(target_layer_ids: Sequence[int], dtype: str, max_length: int | 
     """Folder name of a feature cache: ``layers-1-3-6_float16_len512``."""
     if dtype not in DTYPES:
         raise ValueError(f"features dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    layers = "-".join(str(int(i)) for i in target_layer_ids)
+    layers = "-".join(str(_layer_id(i)) for i in target_layer_ids)
     return f"layers-{layers}_{dtype}_len{max_length if max_length is not None else 'all'}"
+
+
+def _layer_id(i):
+    return HEAD if i == HEAD else int(i)
 
 
 def features_dir(data_dir: str | Path, target_layer_ids: Sequence[int], dtype: str,
@@ -73,10 +83,32 @@ def _encode(target, rows: Sequence[list[int]], layer_ids: Sequence[int], device)
     for b, r in enumerate(rows):
         ids[b, : len(r)] = torch.as_tensor(r)
         mask[b, : len(r)] = 1
-    out = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
-                 use_cache=False, **({"logits_to_keep": 1} if accepts_argument(target.forward, "logits_to_keep") else {}))
-    states = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1).float().cpu()  # (B, S, L*H)
+    if list(layer_ids) == [HEAD]:
+        states = _head_states(target, ids.to(device), mask.to(device))
+    else:
+        out = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                     use_cache=False,
+                     **({"logits_to_keep": 1} if accepts_argument(target.forward, "logits_to_keep") else {}))
+        states = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1).float().cpu()  # (B, S, L*H)
     return [states[b, : len(r)] for b, r in enumerate(rows)]
+
+
+def _head_states(target, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, S, H) float: what the target's output embeddings read at every column. Refuses a target whose
+    logits are not that head's output (e.g. soft-capped after it): the cache could not reproduce them."""
+    head, seen = target.get_output_embeddings(), []
+    hook = head.register_forward_pre_hook(lambda _module, args: seen.append(args[0].detach()))
+    try:
+        logits = target(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        hook.remove()
+    if len(seen) != 1 or seen[0].shape[:2] != ids.shape:
+        raise ValueError(f"target {type(target).__name__}: its output embeddings ran {len(seen)} times, not once over "
+                         "every column; the head-state cache needs logits = lm_head(final state)")
+    if not torch.allclose(head(seen[0][:, -1:]).float(), logits[:, -1:].float(), atol=1e-3, rtol=1e-3):
+        raise ValueError(f"target {type(target).__name__}: its logits are not its LM head's output (post-processed, "
+                         "e.g. soft-capped); soft labels cannot be rebuilt from cached final states")
+    return seen[0].float().cpu()
 
 
 def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | Path, *,
@@ -89,7 +121,7 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     """
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    meta = {"target_layer_ids": [int(i) for i in target_layer_ids], "dtype": dtype,
+    meta = {"target_layer_ids": [_layer_id(i) for i in target_layer_ids], "dtype": dtype,
             "max_length": max_length, "target_fingerprint": fingerprint, "rows": len(input_ids)}
     old = read_features_meta(root)
     if old and {k: old.get(k) for k in meta} != meta:
@@ -183,4 +215,4 @@ class FeatureStore:
         return torch.from_numpy(np.array(chunk, dtype=np.float32))  # a copy: the map stays read-only
 
 
-__all__ = ["FeatureStore", "compute_features", "ensure_features", "features_dir", "features_key"]
+__all__ = ["HEAD", "FeatureStore", "compute_features", "ensure_features", "features_dir", "features_key"]

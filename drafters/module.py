@@ -102,8 +102,9 @@ class DrafterLightningModule(L.LightningModule):
 
     def context_states(self, batch, full_logits: bool):
         """``(states, target_logits)`` of a batch: its cached features (``batch["features"]``, see
-        :mod:`drafters.features`) when present and no logits are needed, else a target forward."""
-        if "features" in batch and not full_logits:
+        :mod:`drafters.features`) when present and no logits are needed or the batch carries the target's
+        cached final states (``head_states``, the logits' source), else a target forward."""
+        if "features" in batch and (not full_logits or "head_states" in batch):
             return batch["features"], None
         self._target_on_device()
         out = run_target(self.target, batch, full_logits, self._logits_to_keep)

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The SmolLM2 ablation's trainings (experiment=l2r_ablation) and budget curve (experiment=l2r_budget) as one
-# resumable background queue, with the drafter's depth (experiment=l2r_layers): one training per process, one after
-# the other, in the order that answers the open questions soonest: l2r_all at 2x steps and with 2 layers, uniform
-# likewise; every loss at seed 0; every loss at seed 1; decay at 2x; the 4x runs; every loss at seed 2. A run whose train_summary.json exists is skipped; a killed one resumes from
-# its checkpoints/last.ckpt; a failed one is logged and retried at the next launch. Run dirs: the experiments'
-# <runs>/multirun/l2r_ablation/<loss>-s<seed>, <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed> and
-# <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed>; each
-# run's output goes to <runs>/queue_logs/<experiment>-<run>.log. One queue at a time
-# (<runs>/.ablation_queue.lock).
+# resumable background queue, with the drafter's depth (experiment=l2r_layers), in the order that answers the open
+# questions soonest: l2r_all and uniform at 2x steps and with 2 layers; every loss at seed 0; every loss at seed 1;
+# decay at 2x; every loss at seed 2; the 4x runs. A run whose train_summary.json exists is not trained again; a
+# killed one resumes from its checkpoints/last.ckpt; a failed one is logged and retried at the next launch. Run
+# dirs: <runs>/multirun/l2r_ablation/<loss>-s<seed>, <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed> and
+# <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed>; each run's output goes to
+# <runs>/queue_logs/<experiment>-<run>.log. One queue at a time (<runs>/.ablation_queue.lock).
+# WORKERS=2 runs two jobs side by side, each taking the next run no other worker holds (a lock per run); with
+# THREADS=1 (torch threads per job, default 2) that is ~15% more trainings per hour on 2 cores than one job on 2.
 # Usage, from anywhere, relaunching the same command after a stop:
-#   BLOCKDRAFT_RUNS=<runs> BLOCKDRAFT_CACHE=<cache> PYTHON=.venv/bin/python \
+#   BLOCKDRAFT_RUNS=<runs> BLOCKDRAFT_CACHE=<cache> PYTHON=.venv/bin/python [WORKERS=2 THREADS=1] \
 #     nohup bash experiments/ablation_queue.sh > <runs>/queue.log 2>&1 &
 # After each training the drafter is evaluated into <run>/eval (T=0 replayed; TEMPERATURES='[0.0,1.0]' adds T=1).
 # The report, from whatever runs exist:
 #   python -m experiments.report <runs>/multirun/l2r_ablation --baseline uniform --paper --out <report dir>
 #   python -m experiments.reporting.budget <runs>/multirun/l2r_ablation <runs>/multirun/l2r_budget --out <dir>
-# Stop it with `kill <queue pid>` (the training under way stops too). NICE (default 19) is the trainings'
-# niceness; extra arguments go to every training (e.g. num_threads=1).
+# Stop it with `kill <queue pid>`: the trainings under way stop too. NICE (default 19) is the jobs' niceness;
+# extra arguments go to every training (e.g. train.val_every=700).
 set -uo pipefail
+# Its own process group, so that stopping it stops every worker's job.
+[[ "$(ps -o pgid= $$ | tr -d ' ')" == "$$" ]] || exec setsid bash "$0" "$@"
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python}"
 runs="${BLOCKDRAFT_RUNS:-runs}"
@@ -31,44 +34,61 @@ LOSSES=(uniform decay focal chain decay_focal l2r_all dpace soft_all)
 train() {  # train EXPERIMENT RUN_SUBDIR OVERRIDES...: one training unless it finished; its log per run
   local experiment=$1 run=$2; shift 2
   local dir="$runs/multirun/$experiment/$run" log="$runs/queue_logs/$experiment-$run.log"
-  if [[ -f "$dir/train_summary.json" ]]; then
-    echo "[queue] $experiment/$run: finished, skipped"; return 0
-  fi
+  [[ -f "$dir/train_summary.json" ]] && return 0
   local start=$SECONDS
-  echo "[queue] $(date -u +%FT%TZ) $experiment/$run: training (log $log)"
-  nice -n "${NICE:-19}" "$py" -m experiments.train "experiment=$experiment" launch=run "$@" "${EXTRA[@]}" \
-    >>"$log" 2>&1 &
-  child=$!
-  wait "$child"
-  local rc=$?
-  echo "[queue] $(date -u +%FT%TZ) $experiment/$run: rc $rc in $((SECONDS - start)) s"
+  echo "[queue $worker] $(date -u +%FT%TZ) $experiment/$run: training (log $log)"
+  nice -n "${NICE:-19}" "$py" -m experiments.train "experiment=$experiment" launch=run "num_threads=$threads" "$@" \
+    "${EXTRA[@]}" >>"$log" 2>&1
+  echo "[queue $worker] $(date -u +%FT%TZ) $experiment/$run: rc $? in $((SECONDS - start)) s"
 }
-child=
-# Stopping the queue stops the training under way too (it resumes from last.ckpt at the next launch).
-trap '[[ -n "$child" ]] && kill "$child" 2>/dev/null; wait; echo "[queue] stopped"; exit 143' TERM INT
+
+evaluated() {  # evaluated DIR: its eval/results.json holds every suite at every temperature asked for
+  python3 - "$1/eval/results.json" "${TEMPERATURES:-[0.0]}" 2>/dev/null <<'PY'
+import json, sys
+results = json.load(open(sys.argv[1]))["results"]
+want = {f"t{float(t):g}" for t in json.loads(sys.argv[2])}  # experiments.pipeline.records' keys
+sys.exit(0 if len(results) == 3 and all(want <= set(r) for r in results.values()) else 1)
+PY
+}
 
 evaluate() {  # evaluate EXPERIMENT RUN_SUBDIR: the trained drafter on the main job's suites into <run>/eval
   # (conf/main.yaml's evaluate_overrides): T=0 replayed from the target's greedy answers (about a minute), and T=1
   # decoded when TEMPERATURES='[0.0,1.0]' (minutes). A finished (suite, temperature) is skipped on relaunch.
   local dir="$runs/multirun/$1/$2" log="$runs/queue_logs/$1-$2.log"
   [[ -f "$dir/train_summary.json" ]] || return 0
+  evaluated "$dir" && return 0
   nice -n "${NICE:-19}" "$py" -m experiments.evaluate target=smollm2 "drafter.path=$dir/drafter" progress=false \
-    batch_size=8 measure_target_only=false num_threads=2 replay_greedy=true "temperatures=${TEMPERATURES:-[0.0]}" \
-    suite.humaneval.limit=16 suite.gsm_symbolic.limit=16 suite.mtbench.limit=8 "hydra.run.dir=$dir/eval" >>"$log" 2>&1 &
-  child=$!
-  wait "$child" || echo "[queue] $1/$2: evaluation failed (rc $?), see $log"
+    batch_size=8 measure_target_only=false "num_threads=$threads" replay_greedy=true \
+    "temperatures=${TEMPERATURES:-[0.0]}" suite.humaneval.limit=16 suite.gsm_symbolic.limit=16 \
+    suite.mtbench.limit=8 "hydra.run.dir=$dir/eval" >>"$log" 2>&1 \
+    || echo "[queue $worker] $1/$2: evaluation failed (rc $?), see $log"
 }
-ablation() { for loss in "${LOSSES[@]}"; do train l2r_ablation "$loss-s$1" "loss=$loss" "seed=$1"
-                                            evaluate l2r_ablation "$loss-s$1"; done; }
-budget() { train l2r_budget "$1-x$2-s0" "loss=$1" "budget=$2" seed=0; evaluate l2r_budget "$1-x$2-s0"; }
-layers() { train l2r_layers "$1-L$2-s0" "loss=$1" "layers=$2" seed=0; evaluate l2r_layers "$1-L$2-s0"; }
+
+job() {  # job EXPERIMENT RUN_SUBDIR OVERRIDES...: train, then evaluate, unless another worker holds the run
+  ( flock -n 8 || exit 0
+    train "$@"; evaluate "$1" "$2" ) 8>"$runs/queue_logs/.$1-$2.lock"
+}
+ablation() { for loss in "${LOSSES[@]}"; do job l2r_ablation "$loss-s$1" "loss=$loss" "seed=$1"; done; }
+budget() { job l2r_budget "$1-x$2-s0" "loss=$1" "budget=$2" seed=0; }
+layers() { job l2r_layers "$1-L$2-s0" "loss=$1" "layers=$2" seed=0; }
+
+queue() {  # one worker's pass over the whole order
+  budget l2r_all 2; layers l2r_all 2
+  budget uniform 2; layers uniform 2
+  ablation 0
+  ablation 1
+  budget decay 2
+  ablation 2
+  budget uniform 4; budget decay 4; budget l2r_all 4
+}
 
 EXTRA=("$@")
-budget l2r_all 2; layers l2r_all 2
-budget uniform 2; layers uniform 2
-ablation 0
-ablation 1
-budget decay 2
-budget uniform 4; budget decay 4; budget l2r_all 4
-ablation 2
+threads="${THREADS:-2}"
+# Stopping the queue stops every worker and the jobs under way (they resume from last.ckpt at the next launch).
+trap 'trap - TERM INT; echo "[queue] stopped"; kill -- -$$ 2>/dev/null; exit 143' TERM INT
+for worker in $(seq 1 "${WORKERS:-1}"); do
+  queue &
+  sleep 5  # the first worker takes the first run
+done
+wait
 echo "[queue] $(date -u +%FT%TZ) done"

@@ -84,8 +84,9 @@ def test_the_ablation_queue_evaluates_like_the_main_job():
     script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
     call = script[script.index("-m experiments.evaluate"): script.index('"hydra.run.dir=$dir/eval"')]
     main = OmegaConf.load(ROOT / "conf" / "main.yaml")
-    for override in main.evaluate_overrides:
-        assert override in call, override
+    for override in main.evaluate_overrides:  # the thread count is the queue's THREADS (default 2, main's)
+        assert (override if not override.startswith("num_threads=") else '"num_threads=$threads"') in call, override
+    assert 'threads="${THREADS:-2}"' in script and "num_threads=2" in main.evaluate_overrides
 
 
 def test_the_depth_runs_are_the_main_jobs_training_with_two_layers():
@@ -103,3 +104,69 @@ def test_the_depth_runs_are_the_main_jobs_training_with_two_layers():
     script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
     assert {tuple(m) for m in re.findall(r"^.*layers (\w+) (\d)", script, flags=re.MULTILINE)} >= \
         {(j["loss"], j["layers"]) for j in jobs}
+
+
+FAKE_PYTHON = r'''#!/usr/bin/env python3
+"""Stands in for the queue's python: records each call, writes what a finished training or evaluation leaves."""
+import json, os, pathlib, sys, time
+module, kv = sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:])
+runs = pathlib.Path(os.environ["BLOCKDRAFT_RUNS"])
+if module == "experiments.train":
+    sub = {"l2r_ablation": "{loss}-s{seed}", "l2r_budget": "{loss}-x{budget}-s{seed}",
+           "l2r_layers": "{loss}-L{layers}-s{seed}"}[kv["experiment"]].format(**kv)
+    run = runs / "multirun" / kv["experiment"] / sub
+    run.mkdir(parents=True, exist_ok=True)
+    try:
+        (run / "busy").mkdir()  # two jobs in one run at once would fail here
+    except FileExistsError:
+        sys.exit(3)
+    time.sleep(0.05)
+    (run / "busy").rmdir()
+    (run / "train_summary.json").write_text("{}")
+else:
+    run = pathlib.Path(kv["hydra.run.dir"]).parent
+    keys = {f"t{float(t):g}": {} for t in json.loads(kv["temperatures"])}
+    (run / "eval").mkdir(exist_ok=True)
+    (run / "eval" / "results.json").write_text(json.dumps({"results": {s: keys for s in ("a", "b", "c")}}))
+with open(runs / "calls.jsonl", "a") as f:
+    f.write(json.dumps({"module": module, "run": str(run.relative_to(runs)), "threads": kv["num_threads"]}) + "\n")
+'''
+
+
+def _run_queue(tmp_path, **env):
+    import json
+    import os
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "BLOCKDRAFT_RUNS": str(runs), "PYTHON": str(fake), "NICE": "0", **env}
+    done = subprocess.run(["bash", str(ROOT / "experiments" / "ablation_queue.sh")], check=False, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = runs / "calls.jsonl"
+    calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    record.unlink(missing_ok=True)
+    return calls
+
+
+def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_missing(tmp_path):
+    """Two workers train every run of the order exactly once and evaluate each (a run held by one worker is not
+    started by the other); a relaunch trains nothing again, and evaluates again only for a new temperature."""
+    from collections import Counter
+
+    calls = _run_queue(tmp_path, WORKERS="2", THREADS="1")
+    trained = Counter(c["run"] for c in calls if c["module"] == "experiments.train")
+    evaluated = Counter(c["run"] for c in calls if c["module"] == "experiments.evaluate")
+    expected = {f"multirun/l2r_ablation/{loss}-s{seed}" for loss in
+                ["uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all"] for seed in range(3)}
+    expected |= {f"multirun/l2r_budget/{loss}-x{b}-s0" for loss, b in
+                 [("l2r_all", 2), ("uniform", 2), ("decay", 2), ("uniform", 4), ("decay", 4), ("l2r_all", 4)]}
+    expected |= {f"multirun/l2r_layers/{loss}-L2-s0" for loss in ("l2r_all", "uniform")}
+    assert set(trained) == expected and set(trained.values()) == {1}
+    assert evaluated == trained and {c["threads"] for c in calls} == {"1"}
+    assert _run_queue(tmp_path) == []
+    again = _run_queue(tmp_path, TEMPERATURES="[0.0,1.0]")
+    assert {c["module"] for c in again} == {"experiments.evaluate"} and len(again) == len(expected)

@@ -84,7 +84,7 @@ def one_step(root: str, loss: str, trainer: str) -> dict:
     read, getitem = [], features.FeatureStore.__getitem__
 
     def recording(store, row):
-        read.append(int(row))
+        read.append((store.meta["target_layer_ids"] == [features.HEAD], int(row)))  # (final states?, row)
         return getitem(store, row)
 
     recorder = Recorder()
@@ -168,13 +168,14 @@ def test_ddp_step_equals_single_process_step(steps, loss):
 def test_cached_features_are_read_per_rank_once(steps, loss):
     single, ranks = steps
     r0, r1 = ranks[0][loss], ranks[1][loss]
-    if single[loss]["features"] is False:  # soft losses need the target's logits: no cache, target forward
-        assert not r0["feature_rows_read"] and not r0["features"] and loss == "soft_all"
-        return
     assert r0["features"] and r1["features"]
-    read0, read1 = r0["feature_rows_read"], r1["feature_rows_read"]
-    assert len(read0) == len(set(read0)) == BATCH // 2 and not set(read0) & set(read1)
-    assert sorted(read0 + read1) == sorted(single[loss]["feature_rows_read"]) == list(range(ROWS))
+    stores = [False, True] if loss == "soft_all" else [False]  # soft labels also read the target's final states
+    for head in stores:
+        read0, read1 = ([row for h, row in r["feature_rows_read"] if h == head] for r in (r0, r1))
+        whole = [row for h, row in single[loss]["feature_rows_read"] if h == head]
+        assert len(read0) == len(set(read0)) == BATCH // 2 and not set(read0) & set(read1)
+        assert sorted(read0 + read1) == sorted(whole) == list(range(ROWS))
+    assert {h for h, _ in r0["feature_rows_read"]} == set(stores)
 
 
 def test_world_size_must_divide_the_global_batch(tmp_path):

@@ -1,8 +1,10 @@
 """drafters.features: the cached target features equal the target's hidden states, resume after a
-kill, refuse other settings, and a training step on them equals one that runs the target."""
+kill, refuse other settings, and a training step on them equals one that runs the target; the cached final
+states rebuild the target's logits, so soft labels need no target forward either."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,7 +14,15 @@ from test_module import make_module
 
 from drafters.blocks import select_blocks
 from drafters.data import RegenDataModule, collate, write_meta, write_shard
-from drafters.features import FeatureStore, compute_features, ensure_features, features_dir
+from drafters.features import (
+    HEAD,
+    FeatureStore,
+    compute_features,
+    ensure_features,
+    features_dir,
+    features_key,
+)
+from losses import AcceptanceAlignedLoss
 
 VOCAB = 64
 LAYERS = (1, 2)
@@ -114,5 +124,75 @@ def test_training_step_on_cached_features_equals_a_target_forward(target, tmp_pa
     plain = {k: v for k, v in batch.items() if k != "features"}
     live_loss, live_grads = step(plain)
     torch.testing.assert_close(cached_loss, live_loss, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cached_grads, live_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_head_state_cache_rebuilds_the_targets_logits(target, tmp_path):
+    """The HEAD cache holds what the LM head reads: the head turns every cached column into the target's logits."""
+    rows = [r["input_ids"] for r in make_rows(5)]
+    store = FeatureStore(compute_features(target, rows, tmp_path / "h", target_layer_ids=(HEAD,), dtype="float32",
+                                          batch_size=2, progress=False))
+    assert store.meta["target_layer_ids"] == [HEAD] and features_key((HEAD,), "float32", None).startswith("layers-head")
+    head = target.get_output_embeddings()
+    for i, ids in enumerate(rows):
+        with torch.no_grad():
+            want = target(input_ids=torch.tensor([ids])).logits[0]
+            got = head(store[i])
+        assert store[i].shape == (len(ids), 64)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_target_whose_logits_are_not_its_heads_output_is_refused(target, tmp_path):
+    """A soft-capped target (logits changed after the head) cannot have its logits rebuilt: named, not cached."""
+    capped = copy.deepcopy(target)
+    forward = capped.forward
+
+    def soft_capped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = 5 * torch.tanh(out.logits / 5)
+        return out
+
+    capped.forward = soft_capped
+    with pytest.raises(ValueError, match="not its LM head's output"):
+        compute_features(capped, [r["input_ids"] for r in make_rows(2)], tmp_path / "h", target_layer_ids=(HEAD,),
+                         progress=False)
+
+
+@pytest.mark.parametrize("candidates", [None, 24])
+def test_soft_labels_from_cached_head_states_equal_a_target_forward(target, tmp_path, candidates):
+    """A soft-label step (l2r_all on the target's p) on cached features and final states gives the loss and
+    gradients of one that runs the target: over the whole vocabulary, and over a candidate vocabulary's columns
+    (candidates + drawn negatives, the target's p renormalised there like the drafter's q)."""
+    data_dir = tmp_path / "regen"
+    write_shard(make_rows(8), data_dir)
+    write_meta(data_dir, {"complete": True})
+    module = make_module(target, loss=AcceptanceAlignedLoss(gamma=2.0, focal_weight=0.3, chain_weight=1.0, soft=True))
+    if candidates:
+        module.train_vocab_negatives = 8
+        module.set_train_vocab(torch.arange(candidates))
+    caches = {key: ensure_features(target, data_dir, layers, dtype="float32", max_length=16, progress=False)
+              for key, layers in (("features_dir", module.drafter.target_layer_ids), ("head_states_dir", (HEAD,)))}
+    dm = RegenDataModule(str(data_dir), batch_size=4, max_length=16, val_fraction=0.0, **caches)
+    dm.setup("fit")
+    batch = collate([dm.train_set[i] for i in range(4)])
+    assert batch["head_states"].shape == (*batch["input_ids"].shape, 64)
+
+    def step(b):
+        module.drafter.zero_grad()
+        states, logits = module.context_states(b, full_logits=True)
+        out = module._blocks(b, states, logits, torch.Generator().manual_seed(0), module.train_vocab)
+        width = out[0].shape[-1]
+        assert out[3].shape[-1] == width == (VOCAB if candidates is None else candidates + 8)
+        loss, _ = module.loss(*out)
+        loss.backward()
+        return logits, loss.detach(), [p.grad.clone() for p in module.drafter.parameters()]
+
+    no_logits, cached_loss, cached_grads = step(batch)
+    assert no_logits is None  # the target did not run
+    live = {k: v for k, v in batch.items() if k not in ("features", "head_states")}
+    live_logits, live_loss, live_grads = step(live)
+    assert live_logits is not None
+    torch.testing.assert_close(cached_loss, live_loss, atol=1e-5, rtol=1e-4)
     for a, b in zip(cached_grads, live_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import data as regen
 from drafters import locks
-from drafters.features import ensure_features
+from drafters.features import HEAD, ensure_features
 from drafters.features import features_dir as features_folder
 from drafters.hints import HintStore
 from drafters.model import target_fingerprint
@@ -118,17 +118,24 @@ def build(cfg: DictConfig):
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     features = cfg.data.get("features") or {}
-    features_dir = None
-    if features.get("enabled") and not getattr(module.loss, "soft", False):  # soft losses need logits
-        folder = features_folder(cfg.data.data_dir, drafter.target_layer_ids, features.dtype,
-                                 cfg.data.datamodule.max_length)
-        with locks.hold(folder, "feature cache", wait=True):  # one job computes it, the others wait
-            features_dir = ensure_features(target, cfg.data.data_dir, drafter.target_layer_ids, dtype=features.dtype,
-                                           max_length=cfg.data.datamodule.max_length,
-                                           batch_size=features.batch_size)
-    datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad,
-                                         features_dir=None if features_dir is None else str(features_dir))
+    caches = {}
+    if features.get("enabled"):  # soft losses also cache the target's final states, their logits' source
+        wanted = {"features_dir": drafter.target_layer_ids}
+        if getattr(module.loss, "soft", False):
+            wanted["head_states_dir"] = (HEAD,)
+        caches = {key: str(feature_cache(cfg, target, layers)) for key, layers in wanted.items()}
+    datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad, **caches)
     return target, tokenizer, module, datamodule
+
+
+def feature_cache(cfg: DictConfig, target, layer_ids) -> Path:
+    """The data dir's feature cache of ``layer_ids`` (computed first when missing; one job computes it, others wait)."""
+    features, max_length = cfg.data.features, cfg.data.datamodule.max_length
+    dtype = features.get("head_dtype", "float32") if tuple(layer_ids) == (HEAD,) else features.dtype
+    folder = features_folder(cfg.data.data_dir, layer_ids, dtype, max_length)
+    with locks.hold(folder, "feature cache", wait=True):
+        return ensure_features(target, cfg.data.data_dir, layer_ids, dtype=dtype, max_length=max_length,
+                               batch_size=features.batch_size)
 
 
 # What a resumed run must share with the run it continues (dotted prefixes of the resolved config);
@@ -138,7 +145,8 @@ def build(cfg: DictConfig):
 RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "scheduler", "seed",
                "train.gradient_clip_val", "train.accumulate_grad_batches")
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
-               "data.features.batch_size", "data.datamodule.num_workers", "data.datamodule.val_batch_size",
+               "data.features.batch_size", "data.features.head_dtype",  # runs saved before it lack the key
+               "data.datamodule.num_workers", "data.datamodule.val_batch_size",
                "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
                "drafter.allow_other_target", "data.backend.path")
 FINGERPRINT = "run_settings.json"
