@@ -2,10 +2,11 @@
 # The SmolLM2 ablation's trainings (experiment=l2r_ablation) and budget curve (experiment=l2r_budget) as one
 # resumable background queue, with the drafter's depth (experiment=l2r_layers), in the order that answers the open
 # questions soonest: l2r_all and uniform at 2x steps and with 2 layers; every loss at seed 0; every loss at seed 1;
-# decay at 2x; every loss at seed 2; the 4x runs. A run whose train_summary.json exists is not trained again; a
-# killed one resumes from its checkpoints/last.ckpt; a failed one is logged and retried at the next launch. Run
-# dirs: <runs>/multirun/l2r_ablation/<loss>-s<seed>, <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed> and
-# <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed>; each run's output goes to
+# decay at 2x; every loss at seed 2; the 4x runs; the loss sweeps (experiment=l2r_sweep_{gamma,focal,chain}, 2 seeds).
+# A run whose train_summary.json exists is not trained again; a killed one resumes from its checkpoints/last.ckpt; a
+# failed one is logged and retried at the next launch. Run dirs: <runs>/multirun/l2r_ablation/<loss>-s<seed>,
+# <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed>, <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed> and
+# <runs>/multirun/l2r_sweep_<name>/<key><value>-s<seed>; each run's output goes to
 # <runs>/queue_logs/<experiment>-<run>.log. One queue at a time (<runs>/.ablation_queue.lock).
 # WORKERS=2 runs two jobs side by side, each taking the next run no other worker holds (a lock per run); with
 # THREADS=1 (torch threads per job, default 2) that is ~15% more trainings per hour on 2 cores than one job on 2.
@@ -60,7 +61,7 @@ evaluate() {  # evaluate EXPERIMENT RUN_SUBDIR: the trained drafter on the main 
   nice -n "${NICE:-19}" "$py" -m experiments.evaluate target=smollm2 "drafter.path=$dir/drafter" progress=false \
     batch_size=8 measure_target_only=false "num_threads=$threads" replay_greedy=true \
     "temperatures=${TEMPERATURES:-[0.0]}" suite.humaneval.limit=16 suite.gsm_symbolic.limit=16 \
-    suite.mtbench.limit=8 "hydra.run.dir=$dir/eval" >>"$log" 2>&1 \
+    suite.mtbench.limit=8 ${EVAL_NAME:+"drafter.name=$EVAL_NAME"} "hydra.run.dir=$dir/eval" >>"$log" 2>&1 \
     || echo "[queue $worker] $1/$2: evaluation failed (rc $?), see $log"
 }
 
@@ -71,6 +72,11 @@ job() {  # job EXPERIMENT RUN_SUBDIR OVERRIDES...: train, then evaluate, unless 
 ablation() { for loss in "${LOSSES[@]}"; do job l2r_ablation "$loss-s$1" "loss=$loss" "seed=$1"; done; }
 budget() { job l2r_budget "$1-x$2-s0" "loss=$1" "budget=$2" seed=0; }
 layers() { job l2r_layers "$1-L$2-s0" "loss=$1" "layers=$2" seed=0; }
+sweep() {  # sweep NAME KEY SEED VALUES...: experiment=l2r_sweep_NAME, run dirs <key><value>-s<seed>, rows named so
+  local name=$1 key=$2 seed=$3; shift 3
+  for value in "$@"; do EVAL_NAME="$key$value" job "l2r_sweep_$name" "$key$value-s$seed" "loss.$key=$value" "seed=$seed"
+  done
+}
 
 queue() {  # one worker's pass over the whole order
   budget l2r_all 2; layers l2r_all 2
@@ -80,6 +86,8 @@ queue() {  # one worker's pass over the whole order
   budget decay 2
   ablation 2
   budget uniform 4; budget decay 4; budget l2r_all 4
+  for seed in 0 1; do sweep gamma gamma "$seed" 0.5 7; sweep focal focal_gamma "$seed" 0 4
+                      sweep chain chain_weight "$seed" 10 160; done
 }
 
 EXTRA=("$@")

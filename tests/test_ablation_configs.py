@@ -112,8 +112,10 @@ import json, os, pathlib, sys, time
 module, kv = sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:])
 runs = pathlib.Path(os.environ["BLOCKDRAFT_RUNS"])
 if module == "experiments.train":
-    sub = {"l2r_ablation": "{loss}-s{seed}", "l2r_budget": "{loss}-x{budget}-s{seed}",
-           "l2r_layers": "{loss}-L{layers}-s{seed}"}[kv["experiment"]].format(**kv)
+    swept = [k for k in kv if k.startswith("loss.")]  # a loss sweep: <key><value>-s<seed>
+    sub = ({"l2r_ablation": "{loss}-s{seed}", "l2r_budget": "{loss}-x{budget}-s{seed}",
+            "l2r_layers": "{loss}-L{layers}-s{seed}"}[kv["experiment"]].format(**kv) if not swept else
+           f"{swept[0][5:]}{kv[swept[0]]}-s{kv['seed']}")
     run = runs / "multirun" / kv["experiment"] / sub
     run.mkdir(parents=True, exist_ok=True)
     try:
@@ -129,7 +131,8 @@ else:
     (run / "eval").mkdir(exist_ok=True)
     (run / "eval" / "results.json").write_text(json.dumps({"results": {s: keys for s in ("a", "b", "c")}}))
 with open(runs / "calls.jsonl", "a") as f:
-    f.write(json.dumps({"module": module, "run": str(run.relative_to(runs)), "threads": kv["num_threads"]}) + "\n")
+    f.write(json.dumps({"module": module, "run": str(run.relative_to(runs)), "threads": kv["num_threads"],
+                        "name": kv.get("drafter.name")}) + "\n")
 '''
 
 
@@ -165,7 +168,15 @@ def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_miss
     expected |= {f"multirun/l2r_budget/{loss}-x{b}-s0" for loss, b in
                  [("l2r_all", 2), ("uniform", 2), ("decay", 2), ("uniform", 4), ("decay", 4), ("l2r_all", 4)]}
     expected |= {f"multirun/l2r_layers/{loss}-L2-s0" for loss in ("l2r_all", "uniform")}
+    sweeps = {}  # the loss sweeps' runs, by their run dir as the experiments name them, and their rows' names
+    for experiment in ("l2r_sweep_gamma", "l2r_sweep_focal", "l2r_sweep_chain"):
+        for job in _sweep_jobs(experiment, []):
+            (key,) = [k for k in job if k.startswith("loss.")]
+            sweeps[f"multirun/{experiment}/{key[5:]}{job[key]}-s{job['seed']}"] = f"{key[5:]}{job[key]}"
+    expected |= set(sweeps)
     assert set(trained) == expected and set(trained.values()) == {1}
+    names = {c["run"]: c["name"] for c in calls if c["module"] == "experiments.evaluate"}
+    assert {run: name for run, name in names.items() if name} == sweeps
     assert evaluated == trained and {c["threads"] for c in calls} == {"1"}
     assert _run_queue(tmp_path) == []
     again = _run_queue(tmp_path, TEMPERATURES="[0.0,1.0]")

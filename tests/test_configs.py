@@ -186,14 +186,23 @@ def test_ablation_sweeps_every_loss_and_command_line_seeds():
     assert subdir == "${hydra:runtime.choices.loss}-s${seed}"  # one dir per (loss, seed)
 
 
-@pytest.mark.parametrize("experiment,key", [("l2r_sweep_chain", "loss.chain_weight"),
-                                            ("l2r_sweep_focal", "loss.focal_gamma"),
-                                            ("l2r_sweep_gamma", "loss.gamma")])
-def test_sweeps_vary_their_loss_key(experiment, key):
+SWEEPS = [("l2r_sweep_chain", "chain", "loss.chain_weight"), ("l2r_sweep_focal", "focal", "loss.focal_gamma"),
+          ("l2r_sweep_gamma", "decay", "loss.gamma")]
+
+
+@pytest.mark.parametrize("experiment,loss,key", SWEEPS)
+def test_sweeps_vary_their_loss_key(experiment, loss, key):
+    """Each loss sweep trains values other than its loss's default (the ablation's own run), each at 2 seeds."""
     jobs = _sweep_jobs(experiment, [])
-    assert len(jobs) >= 3 and len({j[key] for j in jobs}) == len(jobs)
-    cfg = _compose("train", [f"experiment={experiment}", f"{key}={jobs[0][key]}"])
-    assert str(OmegaConf.select(cfg, key)) == jobs[0][key].replace("'", "")
+    values = {j[key] for j in jobs}
+    default = OmegaConf.select(_compose("train", ["experiment=l2r_ablation", f"loss={loss}"]), key)
+    assert len(values) >= 2 and all(float(v) != float(default) for v in values)
+    assert sorted((j[key], j["seed"]) for j in jobs) == sorted((v, s) for v in values for s in ("0", "1"))
+    job = jobs[0]
+    cfg = _compose("train", [f"experiment={experiment}", f"{key}={job[key]}", f"seed={job['seed']}"])
+    assert str(OmegaConf.select(cfg, key)) == job[key]
+    leaf = key.split(".")[-1]
+    assert cfg.name == f"{experiment}-{leaf}{job[key]}-s{job['seed']}"
 
 
 REGIME_KEYS = ["data", "train.max_steps", "optimizer", "scheduler", "suite", "evaluate.enabled"]
@@ -210,18 +219,23 @@ def test_sweeps_share_the_ablations_regime(experiment):
     assert _regime(_compose("train", [f"experiment={experiment}"])) == ablation
 
 
-@pytest.mark.parametrize("experiment,loss", [("l2r_sweep_chain", "chain"), ("l2r_sweep_focal", "focal"),
-                                             ("l2r_sweep_gamma", "decay")])
-def test_sweeps_run_at_the_main_jobs_regime(experiment, loss):
-    """The three loss sweeps are experiment=deep_frozen (drafter, data, budget, suites, inference settings) with one
-    loss, whose key they vary, not deep_frozen's sweep over losses."""
+@pytest.mark.parametrize("experiment,loss,key", SWEEPS)
+def test_sweeps_run_at_the_smollm2_ablations_regime(experiment, loss, key):
+    """The three loss sweeps are experiment=l2r_ablation's training (the main job's drafter, data, budget) with one
+    loss, whose key they vary, into their own run folders; the queue names the run dirs as the sweep does."""
     sweep = _compose("train", [f"experiment={experiment}"])
-    deep = _compose("train", ["experiment=deep_frozen", f"loss={loss}"])
-    assert _regime(sweep) == _regime(deep)
-    for key in ("drafter", "evaluate.drafter", "loss"):
-        assert OmegaConf.to_container(OmegaConf.select(sweep, key), resolve=True) == \
-            OmegaConf.to_container(OmegaConf.select(deep, key), resolve=True), key
+    ablation = _compose("train", ["experiment=l2r_ablation", f"loss={loss}"])
+    assert _regime(sweep) == _regime(ablation)
+    for part in ("target", "drafter", "module", "loss"):
+        assert OmegaConf.to_container(OmegaConf.select(sweep, part), resolve=True) == \
+            OmegaConf.to_container(OmegaConf.select(ablation, part), resolve=True), part
     assert {j["loss"] for j in _sweep_jobs(experiment, [])} == {loss}
+    leaf = key.split(".")[-1]
+    assert OmegaConf.to_container(sweep.hydra.sweep, resolve=False)["subdir"] == f"{leaf}${{{key}}}-s${{seed}}"
+    assert sweep.hydra.sweep.dir.endswith(f"multirun/{experiment}")
+    script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
+    (line,) = re.findall(rf"sweep {experiment.rsplit('_', 1)[1]} {leaf} \"\$seed\" ([\d. ]+)", script)
+    assert sorted(line.split()) == sorted({j[key] for j in _sweep_jobs(experiment, [])})
 
 
 def test_the_tiny_main_jobs_drafters_are_evaluated_as_deep_frozen_evaluates_at_the_end_of_training():
@@ -248,18 +262,16 @@ def test_the_main_jobs_drafters_are_core_dflash_drafters():
     assert data.data.generation == trained.data.generation and data.batch_size == trained.regenerate.batch_size
 
 
-@pytest.mark.parametrize("experiment", ["l2r_ablation_tiny", "l2r_long", "layerwise", "hinted", "hinted_store",
-                                        "l2r_sweep_chain", "l2r_sweep_focal", "l2r_sweep_gamma"])
+@pytest.mark.parametrize("experiment", ["l2r_ablation_tiny", "l2r_long", "layerwise", "hinted", "hinted_store"])
 def test_regime_experiments_end_in_a_report_with_the_baseline_rows(experiment):
     """conf/regime/ablation.yaml makes each of its experiments a multirun whose report carries the untrained
-    baselines; the sweeps name rows by run dir and show no gain column."""
+    baselines."""
     hydra_cfg = _compose("train", [f"experiment={experiment}"]).hydra
     report = hydra_cfg.callbacks.report
     assert str(hydra_cfg.mode) == "RunMode.MULTIRUN"
     assert report._target_ == "experiments.reporting.callback.MultirunReport"
     assert list(report.baselines) == ["prompt_lookup", "ar_assistant", "corpus_lookup"]
-    sweep = experiment.startswith("l2r_sweep")
-    assert report.baseline == (None if sweep else "uniform") and report.get("name_by_dir", False) == sweep
+    assert report.baseline == "uniform" and not report.get("name_by_dir", False)
 
 
 def test_the_deep_drafter_is_hinted_store_with_every_target_layer():

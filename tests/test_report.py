@@ -268,7 +268,14 @@ def test_seeds_aggregated(tmp_path):
     lookup = untrained["results"]["code"]["t0"]["tau"]
     assert seeds["t0"]["code"]["prompt_lookup"]["taus"] == [lookup] and "gains" not in seeds["t0"]["code"]["prompt_lookup"]
     assert f"| prompt_lookup | {lookup:.3f} (1 run) |" in md
-    assert "+50.0% (+50.0, +50.0; 2/2 > 0)" in md
+    # the seed-mean gain's interval resamples prompts for each seed against uniform of the same seed: on code
+    # every resample gives 1.5x, on chat an interval around the mean of per-seed gains
+    assert "+50.0% [+50.0, +50.0] (+50.0, +50.0; 2/2 > 0)" in md
+    for key in TEMPS:
+        for suite in ("chat", rp.MEAN):
+            agg = seeds[key][suite]["chain"]
+            assert agg["gain_ci_low"] < agg["gain_mean"] < agg["gain_ci_high"]
+        assert "gain_ci_low" not in seeds[key]["chat"]["uniform"]
     agg = seeds["t0"]["chat"]["chain"]
     assert f"{agg['tau_mean']:.3f} ± {agg['tau_sd']:.3f}" in md
     for name in ("tau.png", "gain.png", "position_acceptance.png", "accept_hist.png", "training_curves.png"):

@@ -3,8 +3,8 @@
 "Teaching Diffusion to Speculate Left-to-Right" (arXiv 2606.11552), a 4-layer block-diffusion drafter against
 Llama-3-8B-Instruct, mean accepted length over six benchmarks (figures reconstructed, docs/method.md): each loss
 configuration's τ and its gain over the position-uniform baseline. The table puts this report's T=0 mean τ and its
-gain over ``uniform`` (over seeds when there are several: the mean of per-seed paired gains and how many seeds
-gained; else the paired gain with its 95% interval) beside them.
+gain over ``uniform`` (over seeds when there are several: the mean of per-seed paired gains with its 95% interval
+over prompts and how many seeds gained; else the paired gain with its 95% interval) beside them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def _ours(report: dict, config: str, key: str) -> tuple[str, str]:
         tau = f"{seeds['tau_mean']:.3f} ± {seeds['tau_sd']:.3f} ({len(seeds['taus'])} seeds)"
         if "gains" not in seeds:
             return tau, "—"
-        return tau, f"{100 * seeds['gain_mean']:+.1f}% ({seeds['gains_positive']}/{len(seeds['gains'])} seeds > 0)"
+        ci = (f" [{100 * seeds['gain_ci_low']:+.1f}, {100 * seeds['gain_ci_high']:+.1f}]"
+              if "gain_ci_low" in seeds else "")
+        return tau, f"{100 * seeds['gain_mean']:+.1f}%{ci} ({seeds['gains_positive']}/{len(seeds['gains'])} seeds > 0)"
     cell = report["table"].get(key, {}).get(MEAN, {}).get(config)
     if cell is None:
         return "—", "—"

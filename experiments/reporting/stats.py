@@ -113,10 +113,11 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
     t_keys = sorted(temps, key=temps.get)
     table: dict[str, dict[str, dict[str, dict]]] = {}
     curves: dict[str, dict[str, dict[str, dict]]] = {}
+    common_suites: dict[str, list[str]] = {}
     for key in t_keys:
         table[key], curves[key] = {}, {}
         at_key = [run for run in runs if any(key in by_t for by_t in run.results.values())]
-        common = [s for s in suites if all(key in run.results.get(s, {}) for run in at_key)]
+        common = common_suites[key] = [s for s in suites if all(key in run.results.get(s, {}) for run in at_key)]
         for suite in suites + ([MEAN] if len(common) > 1 else []):
             cells = _tau_cells(at_key, key, suite, common, curves[key], num_bootstrap, seed)
             _add_gains(runs, cells, base_of, key, suite, common if suite == MEAN else [suite], num_bootstrap, seed)
@@ -132,7 +133,46 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
         "draft_sources": _draft_sources(runs, t_keys),
     }
     report["across_seeds"] = aggregate_seeds(report)
+    if report["across_seeds"]:
+        _add_seed_gain_intervals(report["across_seeds"], runs, base_of, common_suites, num_bootstrap, seed)
     return report
+
+
+def _add_seed_gain_intervals(seeds: dict, runs: Sequence[Run], base_of: dict[str, str],
+                             common: dict[str, list[str]], num_bootstrap: int, seed: int) -> None:
+    """Add ``gain_ci_low/high`` to each across-seeds cell with gains: the 95% interval of the mean over seeds of
+    the paired gains, resampling the prompts (one resample for every seed and both sides, per suite)."""
+    by_name = {r.name: r for r in runs}
+    for key, suites in seeds.items():
+        for suite, cells in suites.items():
+            group = common[key] if suite == MEAN else [suite]
+            for config, agg in cells.items():
+                pairs = [(r, by_name[base_of[r.name]]) for r in runs
+                         if r.config == config and r.seed in agg["seeds"] and r.name in base_of]
+                if "gains" not in agg or len(pairs) < 2:
+                    continue
+                interval = _seed_mean_gain(pairs, group, key, num_bootstrap, _rng(seed, key, suite, config, "seeds"))
+                if interval is not None:
+                    agg["gain_ci_low"], agg["gain_ci_high"] = interval
+
+
+def _seed_mean_gain(pairs: list[tuple[Run, Run]], group: list[str], key: str, num_bootstrap: int,
+                    rng: np.random.Generator) -> tuple[float, float] | None:
+    """Interval of mean_pairs(τ_run / τ_base − 1), τ the unweighted mean over ``group``'s suites; None without
+    per-prompt records or two prompts every run shares."""
+    draws = np.zeros((2, len(pairs), num_bootstrap))  # (run or base, pair, resample): τ summed over suites
+    for suite in group:
+        records = [[_records(r.results.get(suite, {}).get(key, {})) for r in pair] for pair in pairs]
+        if any(rec is None for pair in records for rec in pair):
+            return None
+        ids = sorted(set.intersection(*(set(rec) for pair in records for rec in pair)))
+        if len(ids) < 2:
+            return None
+        picks = rng.integers(0, len(ids), size=(num_bootstrap, len(ids)))
+        for i, pair in enumerate(records):
+            for side, rec in enumerate(pair):
+                draws[side, i] += _tau_draws(rec, ids, picks)
+    return _interval(np.mean(draws[0] / draws[1] - 1.0, axis=0))
 
 
 def _draft_sources(runs: Sequence[Run], t_keys: Sequence[str]) -> dict[str, dict[str, dict[str, dict]]]:

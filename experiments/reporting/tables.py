@@ -65,7 +65,8 @@ def _fmt_seed_gain(agg: dict | None) -> str:
     if agg is None or "gains" not in agg:
         return "—"
     per_seed = ", ".join(f"{100 * g:+.1f}" for g in agg["gains"])
-    return f"{100 * agg['gain_mean']:+.1f}% ({per_seed}; {agg['gains_positive']}/{len(agg['gains'])} > 0)"
+    ci = f" [{100 * agg['gain_ci_low']:+.1f}, {100 * agg['gain_ci_high']:+.1f}]" if "gain_ci_low" in agg else ""
+    return f"{100 * agg['gain_mean']:+.1f}%{ci} ({per_seed}; {agg['gains_positive']}/{len(agg['gains'])} > 0)"
 
 
 def _seed_sections(report: dict, seeds: dict) -> list[str]:
@@ -77,9 +78,9 @@ def _seed_sections(report: dict, seeds: dict) -> list[str]:
              "Runs per configuration, one per training seed (" + ", ".join(f"{c}: {n}" for c, n in counts.items())
              + "; an untrained baseline is one evaluation). τ: mean ± sample SD of the per-seed τ."]
     if base is not None:
-        lines += ["", (f"Gain: mean over seeds of τ / τ({base}, same seed) − 1; in brackets each seed's gain (%) "
-                       "and how many seeds gained. The per-run sections below give each run's prompt-bootstrap "
-                       "intervals.")]
+        lines += ["", (f"Gain: mean over seeds of τ / τ({base}, same seed) − 1, with its 95% interval over prompts "
+                       "(the same resample for every seed and both sides); in parentheses each seed's gain (%) and how "
+                       "many seeds gained. The per-run sections below give each run's prompt-bootstrap intervals.")]
     for key, temperature in report["temperatures"].items():
         columns = list(seeds[key])
         lines += ["", f"## Temperature {temperature:g}, across seeds", "", "### τ (mean ± SD over seeds)", ""]
