@@ -2,7 +2,8 @@
 # The SmolLM2 ablation's trainings (experiment=l2r_ablation) and budget curve (experiment=l2r_budget) as one
 # resumable background queue, with the drafter's depth (experiment=l2r_layers), in the order that answers the open
 # questions soonest: l2r_all and uniform at 2x steps and with 2 layers; every loss at seed 0; every loss at seed 1;
-# decay at 2x; every loss at seed 2; the 4x runs; the loss sweeps (experiment=l2r_sweep_{gamma,focal,chain}, 2 seeds).
+# decay at 2x; every loss at seed 2; the 4x runs; the ablation's drafters at T=1; the loss sweeps
+# (experiment=l2r_sweep_{gamma,focal,chain}, 2 seeds).
 # A run whose train_summary.json exists is not trained again; a killed one resumes from its checkpoints/last.ckpt; a
 # failed one is logged and retried at the next launch. Run dirs: <runs>/multirun/l2r_ablation/<loss>-s<seed>,
 # <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed>, <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed> and
@@ -13,7 +14,8 @@
 # Usage, from anywhere, relaunching the same command after a stop:
 #   BLOCKDRAFT_RUNS=<runs> BLOCKDRAFT_CACHE=<cache> PYTHON=.venv/bin/python [WORKERS=2 THREADS=1] \
 #     nohup bash experiments/ablation_queue.sh > <runs>/queue.log 2>&1 &
-# After each training the drafter is evaluated into <run>/eval (T=0 replayed; TEMPERATURES='[0.0,1.0]' adds T=1).
+# After each training the drafter is evaluated into <run>/eval (T=0 replayed; TEMPERATURES='[0.0,1.0]' adds T=1 for
+# every run, the ablation's get it in their own pass).
 # The report, from whatever runs exist:
 #   python -m experiments.report <runs>/multirun/l2r_ablation --baseline uniform --paper --out <report dir>
 #   python -m experiments.reporting.budget <runs>/multirun/l2r_ablation <runs>/multirun/l2r_budget --out <dir>
@@ -86,6 +88,7 @@ queue() {  # one worker's pass over the whole order
   budget decay 2
   ablation 2
   budget uniform 4; budget decay 4; budget l2r_all 4
+  for seed in 0 1 2; do TEMPERATURES='[0.0,1.0]' ablation "$seed"; done  # T=1 too (online, ~5 min per drafter)
   for seed in 0 1; do sweep gamma gamma "$seed" 0.5 7; sweep focal focal_gamma "$seed" 0 4
                       sweep chain chain_weight "$seed" 10 160; done
 }

@@ -132,7 +132,7 @@ else:
     (run / "eval" / "results.json").write_text(json.dumps({"results": {s: keys for s in ("a", "b", "c")}}))
 with open(runs / "calls.jsonl", "a") as f:
     f.write(json.dumps({"module": module, "run": str(run.relative_to(runs)), "threads": kv["num_threads"],
-                        "name": kv.get("drafter.name")}) + "\n")
+                        "name": kv.get("drafter.name"), "temperatures": kv.get("temperatures")}) + "\n")
 '''
 
 
@@ -177,7 +177,10 @@ def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_miss
     assert set(trained) == expected and set(trained.values()) == {1}
     names = {c["run"]: c["name"] for c in calls if c["module"] == "experiments.evaluate"}
     assert {run: name for run, name in names.items() if name} == sweeps
-    assert evaluated == trained and {c["threads"] for c in calls} == {"1"}
+    ablation = {run for run in expected if "/l2r_ablation/" in run}  # evaluated again at T=1 too, after the 4x runs
+    assert evaluated == {run: 1 + (run in ablation) for run in trained} and {c["threads"] for c in calls} == {"1"}
+    last_eval = {c["run"]: c["temperatures"] for c in calls if c["module"] == "experiments.evaluate"}
+    assert {last_eval[run] for run in ablation} == {"[0.0,1.0]"} and {last_eval[run] for run in sweeps} == {"[0.0]"}
     assert _run_queue(tmp_path) == []
     again = _run_queue(tmp_path, TEMPERATURES="[0.0,1.0]")
-    assert {c["module"] for c in again} == {"experiments.evaluate"} and len(again) == len(expected)
+    assert {c["module"] for c in again} == {"experiments.evaluate"} and {c["run"] for c in again} == expected - ablation
