@@ -395,6 +395,7 @@ def test_budget_curve_averages_seeds_and_pairs_gains_by_budget(tmp_path):
         d = tmp_path / "runs" / f"{loss}-s{seed}-x{steps}"
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      loss: {loss}\n")
+        (d / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: x\n")
         (d / "train_summary.json").write_text(json.dumps({"steps": steps}))
         (d / "results.json").write_text(json.dumps(doc))
         return np.mean([doc["results"][s]["t0"]["tau"] for s in SUITES])
@@ -409,6 +410,9 @@ def test_budget_curve_averages_seeds_and_pairs_gains_by_budget(tmp_path):
     assert f"| chain | {np.mean(c1):.3f} ({100 * (np.mean(c1) / u1 - 1):+.1f}%), 2 seeds | — |" in md
     assert f"| uniform | {u1:.3f} | {u2:.3f} |" in md
     assert (out / "budget.png").stat().st_size > 0
+    seed0 = budget.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out0"), "--seeds", "0"])
+    assert seed0["points"]["chain"] == {"100": [pytest.approx(c1[0])]} and seed0["seeds"] == [0]
+    assert "seeds 0)" in (tmp_path / "out0" / "budget.md").read_text()
     with pytest.raises(SystemExit, match="no evaluated trained drafter"):
         budget.main([str(_only_untrained(tmp_path)), "--out", str(out)])
 

@@ -1,10 +1,13 @@
 """The training-budget curve: τ (the suites' mean) against training steps, one line per loss configuration.
 
     python -m experiments.reporting.budget <run dirs, multirun dirs or results.json ...> --out DIR [--temperature 0]
+        [--seeds 0]
 
 Every evaluated trained drafter found under the paths is one point: its loss (as :mod:`experiments.report` names
 it), the steps its training ran (``train_summary.json`` of its training run) and its τ averaged over the suites it
-was evaluated on (all points must share them). Seeds of the same (loss, steps) are averaged. Writes
+was evaluated on (all points must share them). Seeds of the same (loss, steps) are averaged; ``--seeds`` keeps
+only those training seeds (a curve whose budgets were trained at other seeds than its 1x point compares like
+with like only so). Writes
 ``budget.md`` (τ per loss and budget, with the gain over ``uniform`` at the same budget), ``budget.json`` and
 ``budget.png``; it answers whether the losses' gains grow, shrink or vanish with training.
 """
@@ -36,8 +39,10 @@ def _steps(doc: dict, path: Path) -> int | None:
     return None
 
 
-def budget_points(paths: Sequence[str | Path], temperature: float = 0.0) -> dict[str, dict[int, list[float]]]:
-    """``{loss: {steps: [mean τ per seed]}}`` of every trained drafter's results.json under ``paths``."""
+def budget_points(paths: Sequence[str | Path], temperature: float = 0.0,
+                  seeds: Sequence[int] | None = None) -> dict[str, dict[int, list[float]]]:
+    """``{loss: {steps: [mean τ per seed]}}`` of every trained drafter's results.json under ``paths`` (trained with
+    one of ``seeds``, when given)."""
     key, points, suites_seen = temperature_key(temperature), {}, set()
     for path in find_results(paths):
         doc = json.loads(path.read_text())
@@ -49,7 +54,9 @@ def budget_points(paths: Sequence[str | Path], temperature: float = 0.0) -> dict
         if len(suites_seen) > 1:
             raise ValueError(f"{path}: evaluated on suites {sorted(entries)}, other points on {min(suites_seen)}; "
                              "a budget curve compares the same suites")
-        loss, _ = auto_name(path, doc)
+        loss, seed = auto_name(path, doc)
+        if seeds is not None and seed not in seeds:
+            continue
         points.setdefault(loss, {}).setdefault(steps, []).append(float(np.mean([e["tau"] for e in entries.values()])))
     return points
 
@@ -79,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--out", required=True, help="directory for budget.md, budget.json and budget.png")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--baseline", default="uniform")
+    parser.add_argument("--seeds", type=int, nargs="+", help="only drafters trained with these seeds (default: all)")
     args = parser.parse_args(argv)
-    points = budget_points(args.paths, args.temperature)
+    points = budget_points(args.paths, args.temperature, args.seeds)
     if not points:
         raise SystemExit(f"no evaluated trained drafter under {args.paths}")
     out = Path(args.out)
@@ -89,10 +97,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
               for loss, by_steps in points.items()}
     plot_training_curves(curves, out / "budget.png", title=f"τ at T={args.temperature:g} (suites' mean) "
                          "against the training budget", ylabel="accepted length τ", legend="loss")
-    lines = [f"# τ against the training budget (T={args.temperature:g}, mean over suites)", "",
+    which = f", seeds {', '.join(map(str, args.seeds))}" if args.seeds else ""
+    lines = [f"# τ against the training budget (T={args.temperature:g}, mean over suites{which})", "",
              *budget_lines(points, args.baseline), "", "![budget](budget.png)", ""]
     (out / "budget.md").write_text("\n".join(lines))
-    doc = {"temperature": args.temperature, "points": {loss: {str(s): v for s, v in by.items()}
+    doc = {"temperature": args.temperature, "seeds": args.seeds, "points": {loss: {str(s): v for s, v in by.items()}
                                                        for loss, by in points.items()}}
     (out / "budget.json").write_text(json.dumps(doc, indent=1) + "\n")
     print("\n".join(lines), flush=True)
