@@ -461,3 +461,47 @@ def test_speed_tables_say_what_was_timed():
     lines = _speed_section(untimed, ["code"], ["a"])
     assert "target alone not timed" in lines[1] and "| a | 20 tok/s |" in lines
     assert _speed_section(none, ["code"], ["a"]) == []
+
+
+def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp_path):
+    """experiments.ablation_report: the ablation (seeds, paper table), the seed-0 budget curve and a loss sweep beside
+    the ablation's own runs of that loss, from a runs folder laid out as the queue leaves it; parts without runs
+    are skipped."""
+    from experiments import ablation_report
+
+    runs = tmp_path / "runs" / "multirun"
+
+    def run(folder, loss, seed, steps, doc, name=None):
+        d = runs / folder
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      loss: {loss}\n")
+        (d / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: x\n")
+        (d / "train_summary.json").write_text(json.dumps({"steps": steps}))
+        if name:
+            doc = doc | {"drafter": {"name": name, "training_run": {"loss": loss, "seed": seed}}}
+        (d / "results.json").write_text(json.dumps(doc))
+
+    for seed in (0, 1):
+        uniform, decay = _docs(seed)
+        run(f"l2r_ablation/uniform-s{seed}", "uniform", seed, 700, uniform)
+        run(f"l2r_ablation/decay-s{seed}", "decay", seed, 700, decay)
+        run(f"l2r_sweep_gamma/gamma7-s{seed}", "decay", seed, 700, _docs(seed + 10)[1], name="gamma7")
+    run("l2r_budget/uniform-x2-s0", "uniform", 0, 1400, _docs(7)[0])
+    out = tmp_path / "results"
+    written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out)])
+    assert written == ["ablation_smollm2", "budget_smollm2", "sweep_gamma_smollm2"]
+    ablation = json.loads((out / "ablation_smollm2" / "report.json").read_text())
+    assert [c["name"] for c in ablation["configurations"]] == ["uniform-s0", "uniform-s1", "decay-s0", "decay-s1"]
+    assert "gain_ci_low" in ablation["across_seeds"]["t0"][rp.MEAN]["decay"]
+    assert "Beside the paper" in (out / "ablation_smollm2" / "report.md").read_text()
+    curve = json.loads((out / "budget_smollm2" / "budget.json").read_text())
+    assert curve["seeds"] == [0] and set(curve["points"]["uniform"]) == {"700", "1400"}
+    assert curve["points"]["decay"] == {"700": [pytest.approx(np.mean(
+        [_docs(0)[1]["results"][s]["t0"]["tau"] for s in SUITES]))]}
+    sweep = json.loads((out / "sweep_gamma_smollm2" / "report.json").read_text())
+    assert {(c["config"], c["seed"]) for c in sweep["configurations"]} == \
+        {(c, s) for c in ("uniform", "decay", "gamma7") for s in (0, 1)}
+    assert sweep["table"]["t0"]["code"]["gamma7-s1"]["baseline_run"] == "uniform-s1"
+    assert not (out / "sweep_focal_smollm2").exists()
+    with pytest.raises(SystemExit, match="no evaluated run"):
+        ablation_report.main(["--runs", str(tmp_path / "empty"), "--out", str(out)])

@@ -1,0 +1,72 @@
+"""Every report of the SmolLM2 ablation from whatever runs exist: ``python -m experiments.ablation_report``.
+
+Reads the run folders that ``experiments/ablation_queue.sh`` fills (``<runs>/multirun/...``, ``--runs`` or
+``$BLOCKDRAFT_RUNS``) and rewrites, under ``--out`` (default ``experiments/results``):
+
+* ``ablation_smollm2/``: the 8 loss configurations over their seeds, at every temperature evaluated, beside the
+  paper's figures (:mod:`experiments.report` with ``--paper``);
+* ``budget_smollm2/``: τ against the training budget, seed 0 (the budget runs' seed) at 1x, 2x and 4x
+  (:mod:`experiments.reporting.budget`);
+* ``sweep_<name>_smollm2/`` for each loss sweep that has runs: its values beside the ablation's own run of that loss
+  (the sweep's default) and ``uniform``, seed by seed.
+
+A part without runs is skipped and named. Run it again as runs finish; nothing else needs to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from experiments import report
+from experiments.reporting import budget
+from experiments.reporting.runs import find_results
+
+ORDER = ["decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all"]
+SWEEPS = {"gamma": "decay", "focal": "focal", "chain": "chain"}  # experiment=l2r_sweep_<name>: its loss
+
+
+def _evaluated(paths: Sequence[Path]) -> list[Path]:
+    return [p for p in paths if p.exists() and find_results([p])]
+
+
+def sweep_paths(runs: Path, name: str) -> list[Path]:
+    """The sweep's run folders and the ablation's uniform and <loss> runs of the seeds the sweep trained."""
+    folder = runs / "multirun" / f"l2r_sweep_{name}"
+    seeds = sorted({d.name.rsplit("-s", 1)[1] for d in folder.glob("*-s*") if find_results([d])})
+    ablation = runs / "multirun" / "l2r_ablation"
+    return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name])])
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(prog="python -m experiments.ablation_report", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", default=os.environ.get("BLOCKDRAFT_RUNS", "runs"), help="the queue's runs folder")
+    parser.add_argument("--out", default="experiments/results", help="folder the report folders are written into")
+    args = parser.parse_args(argv)
+    runs, out, written = Path(args.runs).expanduser(), Path(args.out), []
+    ablation = runs / "multirun" / "l2r_ablation"
+    if not _evaluated([ablation]):
+        raise SystemExit(f"no evaluated run under {ablation}: run experiments/ablation_queue.sh first")
+    report.main([str(ablation), "--baseline", "uniform", "--paper", "--order", *ORDER,
+                 "--out", str(out / "ablation_smollm2")])
+    written.append("ablation_smollm2")
+    budget_runs = _evaluated([runs / "multirun" / "l2r_budget"])
+    if budget_runs:
+        budget.main([str(ablation), *map(str, budget_runs), "--seeds", "0", "--out", str(out / "budget_smollm2")])
+        written.append("budget_smollm2")
+    for name, loss in SWEEPS.items():
+        paths = sweep_paths(runs, name)
+        if len(paths) < 2:
+            print(f"[ablation_report] no evaluated run of experiment=l2r_sweep_{name} yet: skipped", flush=True)
+            continue
+        report.main([*map(str, paths), "--baseline", "uniform", "--order", loss,
+                     "--out", str(out / f"sweep_{name}_smollm2")])
+        written.append(f"sweep_{name}_smollm2")
+    print(f"[ablation_report] wrote {', '.join(written)} under {out}", flush=True)
+    return written
+
+
+if __name__ == "__main__":
+    main()
