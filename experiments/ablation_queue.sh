@@ -19,7 +19,7 @@
 # The report, from whatever runs exist:
 #   python -m experiments.report <runs>/multirun/l2r_ablation --baseline uniform --paper --out <report dir>
 #   python -m experiments.reporting.budget <runs>/multirun/l2r_ablation <runs>/multirun/l2r_budget --out <dir>
-# Stop it with `kill <queue pid>`: the trainings under way stop too. NICE (default 19) is the jobs' niceness;
+# Stop it with `kill $(cat <runs>/.ablation_queue.pid)`: every worker and the jobs under way stop too. NICE (default 19) is the jobs' niceness;
 # extra arguments go to every training (e.g. train.val_every=700).
 set -uo pipefail
 # Its own process group, so that stopping it stops every worker's job.
@@ -32,6 +32,7 @@ export BLOCKDRAFT_RUNS="$runs"
 mkdir -p "$runs/queue_logs"
 exec 9>"$runs/.ablation_queue.lock"
 flock -n 9 || { echo "[queue] another queue holds $runs/.ablation_queue.lock: not starting"; exit 1; }
+echo $$ > "$runs/.ablation_queue.pid"
 LOSSES=(uniform decay focal chain decay_focal l2r_all dpace soft_all)
 
 train() {  # train EXPERIMENT RUN_SUBDIR OVERRIDES...: one training unless it finished; its log per run

@@ -182,5 +182,6 @@ def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_miss
     last_eval = {c["run"]: c["temperatures"] for c in calls if c["module"] == "experiments.evaluate"}
     assert {last_eval[run] for run in ablation} == {"[0.0,1.0]"} and {last_eval[run] for run in sweeps} == {"[0.0]"}
     assert _run_queue(tmp_path) == []
+    assert (tmp_path / "runs" / ".ablation_queue.pid").read_text().strip().isdigit()  # what `kill` is given
     again = _run_queue(tmp_path, TEMPERATURES="[0.0,1.0]")
     assert {c["module"] for c in again} == {"experiments.evaluate"} and {c["run"] for c in again} == expected - ablation
