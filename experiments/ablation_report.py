@@ -10,12 +10,13 @@ Reads the run folders that ``experiments/ablation_queue.sh`` fills (``<runs>/mul
 * ``sweep_<name>_smollm2/`` for each loss sweep that has runs: its values beside the ablation's own run of that loss
   (the sweep's default) and ``uniform``, seed by seed.
 
-A part without runs is skipped and named. Run it again as runs finish; nothing else needs to change.
+A part without runs is skipped and named, and so is an evaluation under way. Run it again as runs finish.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,14 +29,27 @@ ORDER = ["decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all
 SWEEPS = {"gamma": "decay", "focal": "focal", "chain": "chain"}  # experiment=l2r_sweep_<name>: its loss
 
 
+def complete(path: Path) -> bool:
+    """Whether an evaluation's results.json holds every suite it lists, each at the same temperatures (an
+    evaluation under way does not, and would narrow the suites' mean of every row)."""
+    doc = json.loads(path.read_text())
+    temperatures = [set(entries) for entries in doc["results"].values()]
+    return set(doc["results"]) >= set(doc.get("suites") or ()) and all(t == temperatures[0] for t in temperatures)
+
+
 def _evaluated(paths: Sequence[Path]) -> list[Path]:
-    return [p for p in paths if p.exists() and find_results([p])]
+    """The complete results.json files under ``paths``; those under way are named and left out."""
+    found = [f for p in paths if p.exists() for f in find_results([p])]
+    for f in found:
+        if not complete(f):
+            print(f"[ablation_report] {f}: evaluation under way, left out", flush=True)
+    return [f for f in found if complete(f)]
 
 
 def sweep_paths(runs: Path, name: str) -> list[Path]:
-    """The sweep's run folders and the ablation's uniform and <loss> runs of the seeds the sweep trained."""
+    """The sweep's evaluations and the ablation's uniform and <loss> ones of the seeds the sweep trained."""
     folder = runs / "multirun" / f"l2r_sweep_{name}"
-    seeds = sorted({d.name.rsplit("-s", 1)[1] for d in folder.glob("*-s*") if find_results([d])})
+    seeds = sorted({d.name.rsplit("-s", 1)[1] for d in folder.glob("*-s*") if _evaluated([d])})
     ablation = runs / "multirun" / "l2r_ablation"
     return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name])])
 
@@ -46,15 +60,16 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     parser.add_argument("--out", default="experiments/results", help="folder the report folders are written into")
     args = parser.parse_args(argv)
     runs, out, written = Path(args.runs).expanduser(), Path(args.out), []
-    ablation = runs / "multirun" / "l2r_ablation"
-    if not _evaluated([ablation]):
-        raise SystemExit(f"no evaluated run under {ablation}: run experiments/ablation_queue.sh first")
-    report.main([str(ablation), "--baseline", "uniform", "--paper", "--order", *ORDER,
+    ablation = _evaluated([runs / "multirun" / "l2r_ablation"])
+    if not ablation:
+        raise SystemExit(f"no evaluated run under {runs / 'multirun' / 'l2r_ablation'}: run "
+                         "experiments/ablation_queue.sh first")
+    report.main([*map(str, ablation), "--baseline", "uniform", "--paper", "--order", *ORDER,
                  "--out", str(out / "ablation_smollm2")])
     written.append("ablation_smollm2")
     budget_runs = _evaluated([runs / "multirun" / "l2r_budget"])
     if budget_runs:
-        budget.main([str(ablation), *map(str, budget_runs), "--seeds", "0", "--out", str(out / "budget_smollm2")])
+        budget.main([*map(str, ablation + budget_runs), "--seeds", "0", "--out", str(out / "budget_smollm2")])
         written.append("budget_smollm2")
     for name, loss in SWEEPS.items():
         paths = sweep_paths(runs, name)

@@ -487,9 +487,14 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
         run(f"l2r_ablation/decay-s{seed}", "decay", seed, 700, decay)
         run(f"l2r_sweep_gamma/gamma7-s{seed}", "decay", seed, 700, _docs(seed + 10)[1], name="gamma7")
     run("l2r_budget/uniform-x2-s0", "uniform", 0, 1400, _docs(7)[0])
+    under_way = _docs(2)[1] | {"suites": {s: "hash" for s in SUITES}}
+    under_way["results"].popitem()  # its last suite not evaluated yet
+    run("l2r_ablation/decay-s2", "decay", 2, 700, under_way)
     out = tmp_path / "results"
     written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out)])
     assert written == ["ablation_smollm2", "budget_smollm2", "sweep_gamma_smollm2"]
+    assert ablation_report.complete(runs / "l2r_ablation/decay-s1/results.json")
+    assert not ablation_report.complete(runs / "l2r_ablation/decay-s2/results.json")  # left out below
     ablation = json.loads((out / "ablation_smollm2" / "report.json").read_text())
     assert [c["name"] for c in ablation["configurations"]] == ["uniform-s0", "uniform-s1", "decay-s0", "decay-s1"]
     assert "gain_ci_low" in ablation["across_seeds"]["t0"][rp.MEAN]["decay"]
@@ -505,3 +510,25 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     assert not (out / "sweep_focal_smollm2").exists()
     with pytest.raises(SystemExit, match="no evaluated run"):
         ablation_report.main(["--runs", str(tmp_path / "empty"), "--out", str(out)])
+
+
+def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms():
+    """decay_focal and l2r_all against the sum of their single terms' gains, over seeds or from one run, beside the
+    paper's; a composite whose terms were not all run has no row."""
+    from experiments.reporting.paper import PAPER_TAU, composition_lines
+
+    gains = {"decay": 0.09, "focal": 0.06, "chain": 0.08, "decay_focal": 0.11, "l2r_all": 0.13}
+    seeded = {"configurations": [], "table": {},
+              "across_seeds": {"t0": {rp.MEAN: {c: {"gain_mean": g} for c, g in gains.items()}}}}
+    lines = composition_lines(seeded, "t0")
+    paper = {c: PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in gains}
+    want = (f"| l2r_all = decay + focal + chain | +13.0% | +23.0% | {0.13 / 0.23:.2f} | "
+            f"{100 * paper['l2r_all']:+.1f}% | {100 * (paper['decay'] + paper['focal'] + paper['chain']):+.1f}% | "
+            f"{paper['l2r_all'] / (paper['decay'] + paper['focal'] + paper['chain']):.2f} |")
+    assert want in lines and f"| decay_focal = decay + focal | +11.0% | +15.0% | {0.11 / 0.15:.2f} |" in lines[-3]
+    single = {"configurations": [{"name": c, "config": c} for c in ("decay", "focal", "decay_focal")],
+              "table": {"t0": {rp.MEAN: {c: {"gain": gains[c]} for c in ("decay", "focal", "decay_focal")}}}}
+    rows = [line for line in composition_lines(single, "t0") if line.startswith("| decay_focal")]
+    assert len(rows) == 1 and "+11.0% | +15.0%" in rows[0]
+    assert not any(line.startswith("| l2r_all") for line in composition_lines(single, "t0"))
+    assert composition_lines({"configurations": [], "table": {}}, "t0") == []

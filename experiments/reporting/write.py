@@ -9,7 +9,7 @@ from pathlib import Path
 
 from drafters.data import META
 from experiments.pipeline.paths import REPO, cache_path, inside, portable_path
-from experiments.reporting.paper import PAPER_TAU, paper_lines
+from experiments.reporting.paper import PAPER_TAU, composition_lines, paper_lines
 from experiments.reporting.plots import (
     plot_accept_hist,
     plot_gain,
@@ -94,7 +94,8 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     markdown = render_markdown(report, plots)
     if paper:
         report["paper_tau"] = PAPER_TAU
-        markdown += "\n".join(line for key in report["table"] for line in paper_lines(report, key)) + "\n"
+        markdown += "\n".join(line for key in report["table"] for line in
+                               [*paper_lines(report, key), *composition_lines(report, key)]) + "\n"
     if speed_runs:
         report["speed"] = speed_table(speed_runs)
         plots.append(plot_speed(report["speed"], out / "speed.png"))
