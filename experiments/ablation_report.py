@@ -4,9 +4,9 @@ Reads the run folders that ``experiments/ablation_queue.sh`` fills (``<runs>/mul
 ``$BLOCKDRAFT_RUNS``) and rewrites, under ``--out`` (default ``experiments/results``):
 
 * ``ablation_smollm2/``: the 8 loss configurations over their seeds, at every temperature evaluated, beside the
-  paper's figures (:mod:`experiments.report` with ``--paper``);
+  paper's figures (as ``python -m experiments.report --paper``);
 * ``budget_smollm2/``: τ against the training budget, seed 0 (the budget runs' seed) at 1x, 2x and 4x
-  (:mod:`experiments.reporting.budget`);
+  (as ``python -m experiments.reporting.budget --seeds 0``);
 * ``sweep_<name>_smollm2/`` for each loss sweep that has runs: its values beside the ablation's own run of that loss
   (the sweep's default) and ``uniform``, seed by seed.
 
@@ -21,9 +21,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments import report
-from experiments.reporting import budget
-from experiments.reporting.runs import find_results
+from experiments.reporting.budget_curve import budget_points, write_budget
+from experiments.reporting.runs import find_results, load_runs, order_runs
+from experiments.reporting.write import write_report
 
 ORDER = ["decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all"]
 SWEEPS = {"gamma": "decay", "focal": "focal", "chain": "chain"}  # experiment=l2r_sweep_<name>: its loss
@@ -54,6 +54,11 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
     return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name])])
 
 
+def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False) -> None:
+    write_report(order_runs(load_runs(paths), order, "uniform"), out, baseline="uniform", paper=paper)
+    print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="python -m experiments.ablation_report", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default=os.environ.get("BLOCKDRAFT_RUNS", "runs"), help="the queue's runs folder")
@@ -64,20 +69,18 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     if not ablation:
         raise SystemExit(f"no evaluated run under {runs / 'multirun' / 'l2r_ablation'}: run "
                          "experiments/ablation_queue.sh first")
-    report.main([*map(str, ablation), "--baseline", "uniform", "--paper", "--order", *ORDER,
-                 "--out", str(out / "ablation_smollm2")])
+    _report(ablation, out / "ablation_smollm2", ORDER, paper=True)
     written.append("ablation_smollm2")
     budget_runs = _evaluated([runs / "multirun" / "l2r_budget"])
     if budget_runs:
-        budget.main([*map(str, ablation + budget_runs), "--seeds", "0", "--out", str(out / "budget_smollm2")])
+        write_budget(budget_points(ablation + budget_runs, seeds=[0]), out / "budget_smollm2", seeds=[0])
         written.append("budget_smollm2")
     for name, loss in SWEEPS.items():
         paths = sweep_paths(runs, name)
         if len(paths) < 2:
             print(f"[ablation_report] no evaluated run of experiment=l2r_sweep_{name} yet: skipped", flush=True)
             continue
-        report.main([*map(str, paths), "--baseline", "uniform", "--order", loss,
-                     "--out", str(out / f"sweep_{name}_smollm2")])
+        _report(paths, out / f"sweep_{name}_smollm2", [loss])
         written.append(f"sweep_{name}_smollm2")
     print(f"[ablation_report] wrote {', '.join(written)} under {out}", flush=True)
     return written

@@ -80,7 +80,7 @@ def test_the_check_sees_an_entry_point_importing_another(tmp_path):
 def test_experiments_top_level_holds_only_entry_points():
     top = {p.stem for p in EXPERIMENTS.glob("*.py") if p.name != "__init__.py"}
     assert top == {"main", "regenerate", "train", "evaluate", "report", "export", "train_target",
-                   "target_quality", "train_assistant", "serve_check"}
+                   "target_quality", "train_assistant", "serve_check", "ablation_report"}
     assert all(is_entry_point(EXPERIMENTS / f"{name}.py") for name in top)
     benches = {p.stem for p in (EXPERIMENTS / "bench").glob("*.py") if is_entry_point(p)}
     assert benches == {"choose_k", "draft_cost", "free_drafts", "hints", "interleave", "interleave_plot", "learning", "learning_plot", "linear_layout", "lookup", "losses", "scale", "step", "step_parts", "suite_steps", "train",

@@ -15,69 +15,9 @@ with like only so). Writes
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
-import numpy as np
-
-from experiments.pipeline.records import temperature_key
-from experiments.reporting.plots import plot_training_curves
-from experiments.reporting.runs import auto_name, find_results
-
-
-def _steps(doc: dict, path: Path) -> int | None:
-    """The optimizer steps of the training run behind an evaluation (None for untrained drafters)."""
-    candidates = [path.parent, Path(((doc.get("drafter") or {}).get("training_run") or {}).get("run_dir") or path.parent)]
-    drafter = (doc.get("drafter") or {}).get("path")
-    if drafter:
-        candidates.append(Path(drafter).parent)
-    for folder in candidates:
-        summary = folder / "train_summary.json"
-        if summary.is_file():
-            return int(json.loads(summary.read_text())["steps"])
-    return None
-
-
-def budget_points(paths: Sequence[str | Path], temperature: float = 0.0,
-                  seeds: Sequence[int] | None = None) -> dict[str, dict[int, list[float]]]:
-    """``{loss: {steps: [mean τ per seed]}}`` of every trained drafter's results.json under ``paths`` (trained with
-    one of ``seeds``, when given)."""
-    key, points, suites_seen = temperature_key(temperature), {}, set()
-    for path in find_results(paths):
-        doc = json.loads(path.read_text())
-        steps = _steps(doc, path)
-        entries = {s: e[key] for s, e in doc["results"].items() if key in e}
-        if steps is None or not entries:
-            continue
-        suites_seen.add(tuple(sorted(entries)))
-        if len(suites_seen) > 1:
-            raise ValueError(f"{path}: evaluated on suites {sorted(entries)}, other points on {min(suites_seen)}; "
-                             "a budget curve compares the same suites")
-        loss, seed = auto_name(path, doc)
-        if seeds is not None and seed not in seeds:
-            continue
-        points.setdefault(loss, {}).setdefault(steps, []).append(float(np.mean([e["tau"] for e in entries.values()])))
-    return points
-
-
-def budget_lines(points: dict[str, dict[int, list[float]]], baseline: str = "uniform") -> list[str]:
-    """Markdown: τ per loss (rows) and budget (columns), with the gain over ``baseline`` at the same budget."""
-    budgets = sorted({s for by_steps in points.values() for s in by_steps})
-    lines = ["| loss | " + " | ".join(f"{s} steps" for s in budgets) + " |", "|---|" + "---|" * len(budgets)]
-    for loss, by_steps in points.items():
-        cells = []
-        for s in budgets:
-            if s not in by_steps:
-                cells.append("—")
-                continue
-            tau = float(np.mean(by_steps[s]))
-            base = points.get(baseline, {}).get(s)
-            gain = f" ({100 * (tau / float(np.mean(base)) - 1):+.1f}%)" if base and loss != baseline else ""
-            seeds = f", {len(by_steps[s])} seeds" if len(by_steps[s]) > 1 else ""
-            cells.append(f"{tau:.3f}{gain}{seeds}")
-        lines.append(f"| {loss} | " + " | ".join(cells) + " |")
-    return lines
+from experiments.reporting.budget_curve import budget_points, write_budget
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -91,21 +31,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     points = budget_points(args.paths, args.temperature, args.seeds)
     if not points:
         raise SystemExit(f"no evaluated trained drafter under {args.paths}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    curves = {loss: (sorted(by_steps), [float(np.mean(by_steps[s])) for s in sorted(by_steps)])
-              for loss, by_steps in points.items()}
-    plot_training_curves(curves, out / "budget.png", title=f"τ at T={args.temperature:g} (suites' mean) "
-                         "against the training budget", ylabel="accepted length τ", legend="loss")
-    which = f", seeds {', '.join(map(str, args.seeds))}" if args.seeds else ""
-    lines = [f"# τ against the training budget (T={args.temperature:g}, mean over suites{which})", "",
-             *budget_lines(points, args.baseline), "", "![budget](budget.png)", ""]
-    (out / "budget.md").write_text("\n".join(lines))
-    doc = {"temperature": args.temperature, "seeds": args.seeds, "points": {loss: {str(s): v for s, v in by.items()}
-                                                       for loss, by in points.items()}}
-    (out / "budget.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print("\n".join(lines), flush=True)
-    return doc
+    return write_budget(points, args.out, args.temperature, args.baseline, args.seeds)
 
 
 if __name__ == "__main__":
