@@ -73,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     written.append("ablation_smollm2")
     budget_runs = _evaluated([runs / "multirun" / "l2r_budget"])
     if budget_runs:
-        write_budget(budget_points(ablation + budget_runs, seeds=[0]), out / "budget_smollm2", seeds=[0])
+        trained_longer = budget_points(budget_runs, seeds=[0])  # the losses of the curve
+        points = {loss: p for loss, p in budget_points(ablation + budget_runs, seeds=[0]).items() if loss in trained_longer}
+        write_budget(points, out / "budget_smollm2", seeds=[0])
         written.append("budget_smollm2")
     for name, loss in SWEEPS.items():
         paths = sweep_paths(runs, name)

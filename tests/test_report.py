@@ -412,7 +412,7 @@ def test_budget_curve_averages_seeds_and_pairs_gains_by_budget(tmp_path):
     assert (out / "budget.png").stat().st_size > 0
     seed0 = budget.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out0"), "--seeds", "0"])
     assert seed0["points"]["chain"] == {"100": [pytest.approx(c1[0])]} and seed0["seeds"] == [0]
-    assert "seeds 0)" in (tmp_path / "out0" / "budget.md").read_text()
+    assert "seed 0)" in (tmp_path / "out0" / "budget.md").read_text()
     with pytest.raises(SystemExit, match="no evaluated trained drafter"):
         budget.main([str(_only_untrained(tmp_path)), "--out", str(out)])
 
@@ -501,8 +501,7 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     assert "Beside the paper" in (out / "ablation_smollm2" / "report.md").read_text()
     curve = json.loads((out / "budget_smollm2" / "budget.json").read_text())
     assert curve["seeds"] == [0] and set(curve["points"]["uniform"]) == {"700", "1400"}
-    assert curve["points"]["decay"] == {"700": [pytest.approx(np.mean(
-        [_docs(0)[1]["results"][s]["t0"]["tau"] for s in SUITES]))]}
+    assert set(curve["points"]) == {"uniform"}  # the losses trained at another budget too
     sweep = json.loads((out / "sweep_gamma_smollm2" / "report.json").read_text())
     assert {(c["config"], c["seed"]) for c in sweep["configurations"]} == \
         {(c, s) for c in ("uniform", "decay", "gamma7") for s in (0, 1)}

@@ -77,7 +77,7 @@ def write_budget(points: dict[str, dict[int, list[float]]], out: str | Path, tem
               for loss, by_steps in points.items()}
     plot_training_curves(curves, out / "budget.png", title=f"τ at T={temperature:g} (suites' mean) "
                          "against the training budget", ylabel="accepted length τ", legend="loss")
-    which = f", seeds {', '.join(map(str, seeds))}" if seeds else ""
+    which = f", seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}" if seeds else ""
     lines = [f"# τ against the training budget (T={temperature:g}, mean over suites{which})", "",
              *budget_lines(points, baseline), "", "![budget](budget.png)", ""]
     (out / "budget.md").write_text("\n".join(lines))
