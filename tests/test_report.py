@@ -491,12 +491,16 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     under_way["results"].popitem()  # its last suite not evaluated yet
     run("l2r_ablation/decay-s2", "decay", 2, 700, under_way)
     out = tmp_path / "results"
-    written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out)])
+    lookup = tmp_path / "main" / "eval" / "prompt_lookup"
+    lookup.mkdir(parents=True)
+    (lookup / "results.json").write_text(json.dumps(_docs(5)[0] | {"drafter": {"name": "prompt_lookup"}}))
+    written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--baselines", str(lookup)])
     assert written == ["ablation_smollm2", "budget_smollm2", "sweep_gamma_smollm2"]
     assert ablation_report.complete(runs / "l2r_ablation/decay-s1/results.json")
     assert not ablation_report.complete(runs / "l2r_ablation/decay-s2/results.json")  # left out below
     ablation = json.loads((out / "ablation_smollm2" / "report.json").read_text())
-    assert [c["name"] for c in ablation["configurations"]] == ["uniform-s0", "uniform-s1", "decay-s0", "decay-s1"]
+    assert [c["name"] for c in ablation["configurations"]] == ["uniform-s0", "uniform-s1", "decay-s0", "decay-s1",
+                                                               "prompt_lookup"]
     assert "gain_ci_low" in ablation["across_seeds"]["t0"][rp.MEAN]["decay"]
     assert "Beside the paper" in (out / "ablation_smollm2" / "report.md").read_text()
     curve = json.loads((out / "budget_smollm2" / "budget.json").read_text())

@@ -55,10 +55,10 @@ def make_paths_portable(report: dict) -> Path | None:
         training_run = dict(c.get("training_run") or {})
         if training_run.get("run_dir"):
             training_run["run_dir"] = portable_path(training_run["run_dir"], base)
-        if training_run.get("data_dir"):
-            training_run["data_dir"] = cache_path(training_run["data_dir"])
-        if training_run.get("target_path"):
-            training_run["target_path"] = portable_path(training_run["target_path"])
+        for key in ("data_dir", "target_path"):  # the cache's as $BLOCKDRAFT_CACHE/..., else relative if it can be
+            if training_run.get(key):
+                cached = cache_path(training_run[key])
+                training_run[key] = cached if cached != str(training_run[key]) else portable_path(cached, base)
         if training_run:
             c["training_run"] = training_run
     return base
