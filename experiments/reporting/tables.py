@@ -90,7 +90,7 @@ def _seed_sections(report: dict, seeds: dict) -> list[str]:
             lines += ["", f"### Gain over {base} (mean of per-seed gains)", ""]
             lines += _table(["configuration", *columns],
                             [[c, *(_fmt_seed_gain(seeds[key][s].get(c)) for s in columns)]
-                             for c in configs if c != base])
+                             for c in configs if any("gains" in (seeds[key][s].get(c) or {}) for s in columns)])
     return lines
 
 
