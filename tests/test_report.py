@@ -491,6 +491,9 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     under_way = _docs(2)[1] | {"suites": {s: "hash" for s in SUITES}}
     under_way["results"].popitem()  # its last suite not evaluated yet
     run("l2r_ablation/decay-s2", "decay", 2, 700, under_way)
+    at_t1 = _docs(1)[1] | {"suites": {s: "hash" for s in SUITES}}
+    at_t1["results"]["chat"].pop("t1")  # its T=1 pass under way: its T=0 is reported, its T=1 not
+    (runs / "l2r_ablation/decay-s1/results.json").write_text(json.dumps(at_t1))
     out = tmp_path / "results"
     lookup = tmp_path / "main" / "eval" / "prompt_lookup"
     lookup.mkdir(parents=True)
@@ -503,6 +506,8 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     assert [c["name"] for c in ablation["configurations"]] == ["uniform-s0", "uniform-s1", "decay-s0", "decay-s1",
                                                                "prompt_lookup"]
     assert "gain_ci_low" in ablation["across_seeds"]["t0"][rp.MEAN]["decay"]
+    assert ablation["across_seeds"]["t0"][rp.MEAN]["decay"]["seeds"] == [0, 1]
+    assert ablation["across_seeds"]["t1"][rp.MEAN]["decay"]["seeds"] == [0]
     assert "Beside the paper" in (out / "ablation_smollm2" / "report.md").read_text()
     curve = json.loads((out / "budget_smollm2" / "budget.json").read_text())
     assert curve["seeds"] == [0] and set(curve["points"]["uniform"]) == {"700", "1400"}

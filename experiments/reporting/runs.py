@@ -101,6 +101,18 @@ def _distinct(configs: list[str], seeds: list[Any], files: list[Path]) -> list[s
     return labels
 
 
+def _whole_temperatures(doc: dict, path: Path) -> dict:
+    """``doc`` without the temperatures some of its suites lack (an evaluation under way, or cut): they would narrow
+    every configuration's mean over suites at that temperature. Named when dropped."""
+    suites = doc["results"]
+    every = set.intersection(*(set(entries) for entries in suites.values())) if suites else set()
+    partial = sorted({key for entries in suites.values() for key in entries} - every)
+    if not partial:
+        return doc
+    print(f"[report] {path}: {', '.join(partial)} not evaluated on every suite yet: left out", flush=True)
+    return {**doc, "results": {s: {k: e for k, e in entries.items() if k in every} for s, entries in suites.items()}}
+
+
 def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -> list[Run]:
     """Read every results.json under ``paths`` and name each configuration (see the module docstring)."""
     files = find_results(paths)
@@ -115,7 +127,7 @@ def load_runs(paths: Sequence[str | Path], names: Sequence[str] | None = None) -
             raise ValueError(f"{f}: not valid JSON ({e})") from e
         if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
             raise TypeError(f"{f}: not an experiments.evaluate results.json (no `results` mapping)")
-        docs.append(doc)
+        docs.append(_whole_temperatures(doc, f))
     if names is not None:
         labels = list(names)
         configs, seeds = list(names), [None] * len(names)
