@@ -38,11 +38,13 @@ def complete(path: Path) -> bool:
 
 def _evaluated(paths: Sequence[Path]) -> list[Path]:
     """The complete results.json files under ``paths``; those under way are named and left out."""
-    found = [f for p in paths if p.exists() for f in find_results([p])]
-    for f in found:
-        if not complete(f):
+    kept = []
+    for f in (f for p in paths if p.exists() for f in find_results([p])):
+        if complete(f):
+            kept.append(f)
+        else:
             print(f"[ablation_report] {f}: evaluation under way, left out", flush=True)
-    return [f for f in found if complete(f)]
+    return kept
 
 
 def sweep_paths(runs: Path, name: str) -> list[Path]:
