@@ -8,7 +8,8 @@ Reads the run folders that ``experiments/ablation_queue.sh`` fills (``<runs>/mul
 * ``budget_smollm2/``: τ against the training budget, seed 0 (the budget runs' seed) at 1x, 2x and 4x
   (as ``python -m experiments.reporting.budget --seeds 0``);
 * ``sweep_<name>_smollm2/`` for each loss sweep that has runs: its values beside the ablation's own run of that loss
-  (the sweep's default) and ``uniform``, seed by seed.
+  (the sweep's default) and ``uniform``, seed by seed, and the curve of τ against the swept setting
+  (``curve.md``/``.png``, :mod:`experiments.reporting.sweep_curve`).
 
 A part without runs is skipped and named, and so is an evaluation under way. Run it again as runs finish.
 """
@@ -22,11 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.reporting.budget_curve import budget_points, write_budget
-from experiments.reporting.runs import find_results, load_runs, order_runs
+from experiments.reporting.runs import Run, find_results, load_runs, order_runs
+from experiments.reporting.sweep_curve import sweep_points, write_sweep_curve
 from experiments.reporting.write import write_report
 
 ORDER = ["decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all"]
-SWEEPS = {"gamma": "decay", "focal": "focal", "chain": "chain"}  # experiment=l2r_sweep_<name>: its loss
+# experiment=l2r_sweep_<name>: (its loss, the loss setting it sweeps)
+SWEEPS = {"gamma": ("decay", "gamma"), "focal": ("focal", "focal_gamma"), "chain": ("chain", "chain_weight")}
 
 
 def complete(path: Path) -> bool:
@@ -52,12 +55,14 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
     folder = runs / "multirun" / f"l2r_sweep_{name}"
     seeds = sorted({d.name.rsplit("-s", 1)[1] for d in folder.glob("*-s*") if _evaluated([d])})
     ablation = runs / "multirun" / "l2r_ablation"
-    return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name])])
+    return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name][0])])
 
 
-def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False) -> None:
-    write_report(order_runs(load_runs(paths), order, "uniform"), out, baseline="uniform", paper=paper)
+def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False) -> list[Run]:
+    runs = order_runs(load_runs(paths), order, "uniform")
+    write_report(runs, out, baseline="uniform", paper=paper)
     print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
@@ -81,12 +86,13 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         points = {loss: p for loss, p in budget_points(ablation + budget_runs, seeds=[0]).items() if loss in trained_longer}
         write_budget(points, out / "budget_smollm2", seeds=[0])
         written.append("budget_smollm2")
-    for name, loss in SWEEPS.items():
+    for name, (loss, key) in SWEEPS.items():
         paths = sweep_paths(runs, name)
         if len(paths) < 2:
             print(f"[ablation_report] no evaluated run of experiment=l2r_sweep_{name} yet: skipped", flush=True)
             continue
-        _report(paths, out / f"sweep_{name}_smollm2", [loss])
+        runs_swept = _report(paths, out / f"sweep_{name}_smollm2", [loss])
+        write_sweep_curve(*sweep_points(runs_swept, key), out / f"sweep_{name}_smollm2", key)
         written.append(f"sweep_{name}_smollm2")
     print(f"[ablation_report] wrote {', '.join(written)} under {out}", flush=True)
     return written

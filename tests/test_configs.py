@@ -233,6 +233,9 @@ def test_sweeps_run_at_the_smollm2_ablations_regime(experiment, loss, key):
     leaf = key.split(".")[-1]
     assert OmegaConf.to_container(sweep.hydra.sweep, resolve=False)["subdir"] == f"{leaf}${{{key}}}-s${{seed}}"
     assert sweep.hydra.sweep.dir.endswith(f"multirun/{experiment}")
+    from experiments.ablation_report import SWEEPS as REPORTED
+
+    assert REPORTED[experiment.removeprefix("l2r_sweep_")] == (loss, leaf)  # the report reads the same runs
     script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
     (line,) = re.findall(rf"sweep {experiment.rsplit('_', 1)[1]} {leaf} \"\$seed\" ([\d. ]+)", script)
     assert sorted(line.split()) == sorted({j[key] for j in _sweep_jobs(experiment, [])})

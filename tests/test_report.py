@@ -472,11 +472,11 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
 
     runs = tmp_path / "runs" / "multirun"
 
-    def run(folder, loss, seed, steps, doc, name=None):
+    def run(folder, loss, seed, steps, doc, name=None, gamma=2.0):
         d = runs / folder
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      loss: {loss}\n")
-        (d / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: x\n")
+        (d / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: x\nloss:\n  gamma: {gamma}\n")
         (d / "train_summary.json").write_text(json.dumps({"steps": steps}))
         if name:
             doc = doc | {"drafter": {"name": name, "training_run": {"loss": loss, "seed": seed}}}
@@ -486,7 +486,7 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
         uniform, decay = _docs(seed)
         run(f"l2r_ablation/uniform-s{seed}", "uniform", seed, 700, uniform)
         run(f"l2r_ablation/decay-s{seed}", "decay", seed, 700, decay)
-        run(f"l2r_sweep_gamma/gamma7-s{seed}", "decay", seed, 700, _docs(seed + 10)[1], name="gamma7")
+        run(f"l2r_sweep_gamma/gamma7-s{seed}", "decay", seed, 700, _docs(seed + 10)[1], name="gamma7", gamma=7)
     run("l2r_budget/uniform-x2-s0", "uniform", 0, 1400, _docs(7)[0])
     under_way = _docs(2)[1] | {"suites": {s: "hash" for s in SUITES}}
     under_way["results"].popitem()  # its last suite not evaluated yet
@@ -516,6 +516,19 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     assert {(c["config"], c["seed"]) for c in sweep["configurations"]} == \
         {(c, s) for c in ("uniform", "decay", "gamma7") for s in (0, 1)}
     assert sweep["table"]["t0"]["code"]["gamma7-s1"]["baseline_run"] == "uniform-s1"
+    curve = json.loads((out / "sweep_gamma_smollm2" / "curve.json").read_text())
+
+    def mean_tau(doc):
+        return np.mean([doc["results"][s]["t0"]["tau"] for s in SUITES])
+
+    assert curve["key"] == "loss.gamma" and list(curve["points"]) == ["2", "7"]  # the ablation's decay is gamma 2
+    assert curve["points"]["2"] == pytest.approx([mean_tau(_docs(s)[1]) for s in (0, 1)])
+    assert curve["points"]["7"] == pytest.approx([mean_tau(_docs(s + 10)[1]) for s in (0, 1)])
+    assert curve["uniform"] == pytest.approx([mean_tau(_docs(s)[0]) for s in (0, 1)])
+    gain = 100 * (np.mean(curve["points"]["7"]) / np.mean(curve["uniform"]) - 1)
+    assert f"| 7 | {np.mean(curve['points']['7']):.3f} |" in (out / "sweep_gamma_smollm2" / "curve.md").read_text()
+    assert f"| {gain:+.1f}% |" in (out / "sweep_gamma_smollm2" / "curve.md").read_text()
+    assert (out / "sweep_gamma_smollm2" / "curve.png").stat().st_size > 0
     assert not (out / "sweep_focal_smollm2").exists()
     with pytest.raises(SystemExit, match="no evaluated run"):
         ablation_report.main(["--runs", str(tmp_path / "empty"), "--out", str(out)])

@@ -234,14 +234,16 @@ def plot_accept_hist(report: dict, path: Path) -> Path:
 
 def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path,
                          title: str = f"Training: {CURVE_METRIC}",
-                         ylabel: str = "teacher-forced τ (greedy), validation", legend: str = "configuration") -> Path:
-    """A validation metric (default ``val/tau_greedy``) vs optimizer step, one line per configuration."""
+                         ylabel: str = "teacher-forced τ (greedy), validation", legend: str = "configuration",
+                         xlabel: str = "training step") -> Path:
+    """A validation metric (default ``val/tau_greedy``) vs optimizer step (or another ``xlabel``), one line per
+    configuration."""
     plt = _pyplot()
     colors = _colors(list(curves))
     fig, ax = plt.subplots(figsize=(6.5, 4.2), layout="constrained")
     for name, (steps, values) in curves.items():
         ax.plot(steps, values, marker="o", markersize=3, color=colors[name], label=name)
-    ax.set_xlabel("training step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
