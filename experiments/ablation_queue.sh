@@ -2,8 +2,8 @@
 # The SmolLM2 ablation's trainings (experiment=l2r_ablation) and budget curve (experiment=l2r_budget) as one
 # resumable background queue, with the drafter's depth (experiment=l2r_layers), in the order that answers the open
 # questions soonest: l2r_all and uniform at 2x steps and with 2 layers; every loss at seed 0; every loss at seed 1;
-# decay at 2x; every loss at seed 2; the 4x runs; the ablation's drafters at T=1; the loss sweeps
-# (experiment=l2r_sweep_{gamma,focal,chain}, 2 seeds).
+# decay at 2x; every loss at seed 2; the 4x runs; the ablation's drafters at T=1; the baselines at T=0 and T=1; the
+# loss sweeps (experiment=l2r_sweep_{gamma,focal,chain}, 2 seeds).
 # A run whose train_summary.json exists is not trained again; a killed one resumes from its checkpoints/last.ckpt; a
 # failed one is logged and retried at the next launch. Run dirs: <runs>/multirun/l2r_ablation/<loss>-s<seed>,
 # <runs>/multirun/l2r_budget/<loss>-x<budget>-s<seed>, <runs>/multirun/l2r_layers/<loss>-L<layers>-s<seed> and
@@ -15,10 +15,10 @@
 #   BLOCKDRAFT_RUNS=<runs> BLOCKDRAFT_CACHE=<cache> PYTHON=.venv/bin/python [WORKERS=2 THREADS=1] \
 #     nohup bash experiments/ablation_queue.sh > <runs>/queue.log 2>&1 &
 # After each training the drafter is evaluated into <run>/eval (T=0 replayed; TEMPERATURES='[0.0,1.0]' adds T=1 for
-# every run, the ablation's get it in their own pass).
-# The report, from whatever runs exist:
-#   python -m experiments.report <runs>/multirun/l2r_ablation --baseline uniform --paper --out <report dir>
-#   python -m experiments.reporting.budget <runs>/multirun/l2r_ablation <runs>/multirun/l2r_budget --out <dir>
+# every run, the ablation's get it in their own pass). The baselines (untrained drafters, K=BASELINE_K, default 2 as
+# the main job chose) go to <runs>/baselines/<name>: prompt_lookup, and ar_assistant when ASSISTANT=<the main job's
+# <run>/assistant/export> is given.
+# Every report, from whatever runs exist: python -m experiments.ablation_report --runs <runs>
 # Stop it with `kill $(cat <runs>/.ablation_queue.pid)`: every worker and the jobs under way stop too. NICE (default 19) is the jobs' niceness;
 # extra arguments go to every training (e.g. train.val_every=700).
 set -uo pipefail
@@ -46,8 +46,8 @@ train() {  # train EXPERIMENT RUN_SUBDIR OVERRIDES...: one training unless it fi
   echo "[queue $worker] $(date -u +%FT%TZ) $experiment/$run: rc $? in $((SECONDS - start)) s"
 }
 
-evaluated() {  # evaluated DIR: its eval/results.json holds every suite at every temperature asked for
-  python3 - "$1/eval/results.json" "${TEMPERATURES:-[0.0]}" 2>/dev/null <<'PY'
+evaluated() {  # evaluated RESULTS_JSON: it holds every suite at every temperature asked for
+  python3 - "$1" "${TEMPERATURES:-[0.0]}" 2>/dev/null <<'PY'
 import json, sys
 results = json.load(open(sys.argv[1]))["results"]
 want = {f"t{float(t):g}" for t in json.loads(sys.argv[2])}  # experiments.pipeline.records' keys
@@ -55,17 +55,31 @@ sys.exit(0 if len(results) == 3 and all(want <= set(r) for r in results.values()
 PY
 }
 
-evaluate() {  # evaluate EXPERIMENT RUN_SUBDIR: the trained drafter on the main job's suites into <run>/eval
-  # (conf/main.yaml's evaluate_overrides): T=0 replayed from the target's greedy answers (about a minute), and T=1
-  # decoded when TEMPERATURES='[0.0,1.0]' (minutes). A finished (suite, temperature) is skipped on relaunch.
-  local dir="$runs/multirun/$1/$2" log="$runs/queue_logs/$1-$2.log"
-  [[ -f "$dir/train_summary.json" ]] || return 0
-  evaluated "$dir" && return 0
-  nice -n "${NICE:-19}" "$py" -m experiments.evaluate target=smollm2 "drafter.path=$dir/drafter" progress=false \
+decode() {  # decode OUT_DIR LOG OVERRIDES...: a drafter on the main job's suites (conf/main.yaml's
+  # evaluate_overrides) into OUT_DIR: T=0 replayed from the target's greedy answers (about a minute), and T=1 decoded
+  # when TEMPERATURES='[0.0,1.0]' (minutes). A finished (suite, temperature) is skipped on relaunch.
+  local out=$1 log=$2; shift 2
+  nice -n "${NICE:-19}" "$py" -m experiments.evaluate target=smollm2 "$@" progress=false \
     batch_size=8 measure_target_only=false "num_threads=$threads" replay_greedy=true \
     "temperatures=${TEMPERATURES:-[0.0]}" suite.humaneval.limit=16 suite.gsm_symbolic.limit=16 \
-    suite.mtbench.limit=8 ${EVAL_NAME:+"drafter.name=$EVAL_NAME"} "hydra.run.dir=$dir/eval" >>"$log" 2>&1 \
-    || echo "[queue $worker] $1/$2: evaluation failed (rc $?), see $log"
+    suite.mtbench.limit=8 "hydra.run.dir=$out" >>"$log" 2>&1 \
+    || echo "[queue $worker] $out: evaluation failed (rc $?), see $log"
+}
+
+evaluate() {  # evaluate EXPERIMENT RUN_SUBDIR: the trained drafter into <run>/eval
+  local dir="$runs/multirun/$1/$2"
+  [[ -f "$dir/train_summary.json" ]] || return 0
+  evaluated "$dir/eval/results.json" && return 0
+  decode "$dir/eval" "$runs/queue_logs/$1-$2.log" "drafter.path=$dir/drafter" ${EVAL_NAME:+"drafter.name=$EVAL_NAME"}
+}
+
+baseline() {  # baseline NAME OVERRIDES...: the untrained drafter=NAME at T=0 and T=1 into <runs>/baselines/NAME
+  local name=$1; shift
+  ( flock -n 8 || exit 0
+    export TEMPERATURES='[0.0,1.0]'
+    evaluated "$runs/baselines/$name/results.json" && exit 0
+    decode "$runs/baselines/$name" "$runs/queue_logs/baseline-$name.log" "drafter=$name" \
+      "drafter.num_draft_tokens=${BASELINE_K:-2}" "$@" ) 8>"$runs/queue_logs/.baseline-$name.lock"
 }
 
 job() {  # job EXPERIMENT RUN_SUBDIR OVERRIDES...: train, then evaluate, unless another worker holds the run
@@ -90,6 +104,7 @@ queue() {  # one worker's pass over the whole order
   ablation 2
   budget uniform 4; budget decay 4; budget l2r_all 4
   for seed in 0 1 2; do TEMPERATURES='[0.0,1.0]' ablation "$seed"; done  # T=1 too (online, ~5 min per drafter)
+  baseline prompt_lookup; [[ -z "${ASSISTANT:-}" ]] || baseline ar_assistant "drafter.path=$ASSISTANT"
   for seed in 0 1; do sweep gamma gamma "$seed" 0.5 7; sweep focal focal_gamma "$seed" 0 4
                       sweep chain chain_weight "$seed" 10 160; done
 }

@@ -4,7 +4,8 @@ Reads the run folders that ``experiments/ablation_queue.sh`` fills (``<runs>/mul
 ``$BLOCKDRAFT_RUNS``) and rewrites, under ``--out`` (default ``experiments/results``):
 
 * ``ablation_smollm2/``: the 8 loss configurations over their seeds, at every temperature evaluated, beside the
-  paper's figures (as ``python -m experiments.report --paper``), with the ``--baselines`` evaluations as rows;
+  paper's figures (as ``python -m experiments.report --paper``), with the baselines as rows (``--baselines``;
+  default: the queue's ``<runs>/baselines/*``);
 * ``budget_smollm2/``: τ against the training budget, seed 0 (the budget runs' seed) at 1x, 2x and 4x
   (as ``python -m experiments.reporting.budget --seeds 0``);
 * ``sweep_<name>_smollm2/`` for each loss sweep that has runs: its values beside the ablation's own run of that loss
@@ -69,15 +70,17 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="python -m experiments.ablation_report", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default=os.environ.get("BLOCKDRAFT_RUNS", "runs"), help="the queue's runs folder")
     parser.add_argument("--out", default="experiments/results", help="folder the report folders are written into")
-    parser.add_argument("--baselines", nargs="+", default=[], help="evaluations of untrained drafters on the same "
-                        "suites, rows of the ablation report (e.g. the main job's <run>/eval/prompt_lookup)")
+    parser.add_argument("--baselines", nargs="+", default=None, help="evaluations of untrained drafters on the "
+                        "same suites, rows of the ablation report (default: the queue's <runs>/baselines/*; e.g. "
+                        "the main job's <run>/eval/prompt_lookup, evaluated at T=0 only)")
     args = parser.parse_args(argv)
     runs, out, written = Path(args.runs).expanduser(), Path(args.out), []
     ablation = _evaluated([runs / "multirun" / "l2r_ablation"])
     if not ablation:
         raise SystemExit(f"no evaluated run under {runs / 'multirun' / 'l2r_ablation'}: run "
                          "experiments/ablation_queue.sh first")
-    baselines = _evaluated([Path(b).expanduser() for b in args.baselines])
+    given = args.baselines if args.baselines is not None else sorted((runs / "baselines").glob("*/results.json"))
+    baselines = _evaluated([Path(b).expanduser() for b in given])
     _report(ablation + baselines, out / "ablation_smollm2", ORDER, paper=True)
     written.append("ablation_smollm2")
     budget_runs = _evaluated([runs / "multirun" / "l2r_budget"])

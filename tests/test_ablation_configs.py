@@ -82,7 +82,7 @@ def test_the_ablation_queue_evaluates_like_the_main_job():
     from omegaconf import OmegaConf
 
     script = (ROOT / "experiments" / "ablation_queue.sh").read_text()
-    call = script[script.index("-m experiments.evaluate"): script.index('"hydra.run.dir=$dir/eval"')]
+    call = script[script.index("-m experiments.evaluate"): script.index('"hydra.run.dir=$out"')]
     main = OmegaConf.load(ROOT / "conf" / "main.yaml")
     for override in main.evaluate_overrides:  # the thread count is the queue's THREADS (default 2, main's)
         assert (override if not override.startswith("num_threads=") else '"num_threads=$threads"') in call, override
@@ -125,14 +125,16 @@ if module == "experiments.train":
     time.sleep(0.05)
     (run / "busy").rmdir()
     (run / "train_summary.json").write_text("{}")
-else:
-    run = pathlib.Path(kv["hydra.run.dir"]).parent
+else:  # a trained run's <run>/eval, or a baseline's own folder
+    out = pathlib.Path(kv["hydra.run.dir"])
+    run = out.parent if out.name == "eval" else out
     keys = {f"t{float(t):g}": {} for t in json.loads(kv["temperatures"])}
-    (run / "eval").mkdir(exist_ok=True)
-    (run / "eval" / "results.json").write_text(json.dumps({"results": {s: keys for s in ("a", "b", "c")}}))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"results": {s: keys for s in ("a", "b", "c")}}))
 with open(runs / "calls.jsonl", "a") as f:
     f.write(json.dumps({"module": module, "run": str(run.relative_to(runs)), "threads": kv["num_threads"],
-                        "name": kv.get("drafter.name"), "temperatures": kv.get("temperatures")}) + "\n")
+                        "name": kv.get("drafter.name"), "temperatures": kv.get("temperatures"),
+                        "drafter": kv.get("drafter"), "path": kv.get("drafter.path")}) + "\n")
 '''
 
 
@@ -160,7 +162,12 @@ def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_miss
     started by the other); a relaunch trains nothing again, and evaluates again only for a new temperature."""
     from collections import Counter
 
-    calls = _run_queue(tmp_path, WORKERS="2", THREADS="1")
+    calls = _run_queue(tmp_path, WORKERS="2", THREADS="1", ASSISTANT="main/assistant/export")
+    baselines = {c["run"]: c for c in calls if c["run"].startswith("baselines/")}
+    assert {run: (c["drafter"], c["path"], c["temperatures"]) for run, c in baselines.items()} == {
+        "baselines/prompt_lookup": ("prompt_lookup", None, "[0.0,1.0]"),
+        "baselines/ar_assistant": ("ar_assistant", "main/assistant/export", "[0.0,1.0]")}
+    calls = [c for c in calls if c["run"] not in baselines]
     trained = Counter(c["run"] for c in calls if c["module"] == "experiments.train")
     evaluated = Counter(c["run"] for c in calls if c["module"] == "experiments.evaluate")
     expected = {f"multirun/l2r_ablation/{loss}-s{seed}" for loss in

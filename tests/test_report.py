@@ -530,6 +530,12 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
     assert f"| {gain:+.1f}% |" in (out / "sweep_gamma_smollm2" / "curve.md").read_text()
     assert (out / "sweep_gamma_smollm2" / "curve.png").stat().st_size > 0
     assert not (out / "sweep_focal_smollm2").exists()
+    queued = runs.parent / "baselines" / "prompt_lookup"  # where the queue evaluates the baselines: the default
+    queued.mkdir(parents=True)
+    (queued / "results.json").write_text((lookup / "results.json").read_text())
+    ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out)])
+    names = [c["name"] for c in json.loads((out / "ablation_smollm2" / "report.json").read_text())["configurations"]]
+    assert names[-1] == "prompt_lookup"
     with pytest.raises(SystemExit, match="no evaluated run"):
         ablation_report.main(["--runs", str(tmp_path / "empty"), "--out", str(out)])
 
