@@ -41,9 +41,14 @@ def complete(path: Path) -> bool:
 
 
 def _evaluated(paths: Sequence[Path]) -> list[Path]:
-    """The complete results.json files under ``paths``; those under way are named and left out."""
-    kept = []
-    for f in (f for p in paths if p.exists() for f in find_results([p])):
+    """The complete results.json files under ``paths``; those under way (or still training) are named and left out."""
+    kept, found = [], []
+    for p in (p for p in paths if p.exists()):
+        try:
+            found += find_results([p])
+        except FileNotFoundError:
+            print(f"[ablation_report] {p}: no evaluation yet, left out", flush=True)
+    for f in found:
         if complete(f):
             kept.append(f)
         else:

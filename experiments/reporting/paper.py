@@ -45,7 +45,9 @@ def paper_lines(report: dict, key: str = "t0") -> list[str]:
                                  if c not in PAPER_TAU]
     lines = [f"## Beside the paper (T={key[1:]}, mean over suites)", "",
              ("The paper: a 4-layer drafter, Llama-3-8B-Instruct, mean over six benchmarks (reconstructed figures). "
-             "Here: the drafter, target and suites of this report."), "",
+             "Here: the drafter, target and suites of this report."
+             + ("" if key == "t0" else " The paper's figures are one set, its temperature not stated; they are "
+                "repeated unchanged beside this temperature's results.")), "",
              "| configuration | paper τ | paper gain | τ here | gain here |", "|---|---|---|---|---|"]
     base = PAPER_TAU["uniform"]
     for config in configs:
