@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             print(f"[ablation_report] no evaluated run of experiment=l2r_sweep_{name} yet: skipped", flush=True)
             continue
         runs_swept = _report(paths, out / f"sweep_{name}_smollm2", [loss])
-        write_sweep_curve(*sweep_points(runs_swept, key), out / f"sweep_{name}_smollm2", key)
+        write_sweep_curve(*sweep_points(runs_swept, key), out / f"sweep_{name}_smollm2", key, loss=loss)
         written.append(f"sweep_{name}_smollm2")
     print(f"[ablation_report] wrote {', '.join(written)} under {out}", flush=True)
     return written

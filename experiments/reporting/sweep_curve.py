@@ -51,13 +51,14 @@ def sweep_points(runs: Sequence[Run], key: str, baseline: str = "uniform",
 
 
 def write_sweep_curve(points: dict[float, list[float]], base: list[float], out: str | Path, key: str,
-                      temperature: float = 0.0, baseline: str = "uniform") -> dict:
-    """Write curve.md, curve.json and curve.png into ``out``; returns curve.json's content."""
+                      temperature: float = 0.0, baseline: str = "uniform", loss: str = "") -> dict:
+    """Write curve.md, curve.json and curve.png into ``out`` (``loss``: the swept loss, the curve's label); returns
+    curve.json's content."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     values = list(points)
     means = [float(np.mean(points[v])) for v in values]
-    curves = {f"loss.{key}": (values, means)}
+    curves = {f"{loss or 'loss'} (loss.{key} swept)": (values, means)}
     if base:
         curves[baseline] = (values, [float(np.mean(base))] * len(values))
     plot_training_curves(curves, out / "curve.png", title=f"τ at T={temperature:g} (suites' mean, seeds' mean) "
