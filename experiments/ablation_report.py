@@ -64,11 +64,12 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
     return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name][0])])
 
 
-def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False) -> list[Run]:
+def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False) -> tuple[list[Run], dict]:
+    """Write the report of ``paths`` into ``out``; returns its runs and report.json's content."""
     runs = order_runs(load_runs(paths), order, "uniform")
-    write_report(runs, out, baseline="uniform", paper=paper)
+    report = write_report(runs, out, baseline="uniform", paper=paper)
     print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
-    return runs
+    return runs, report
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
@@ -99,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         if len(paths) < 2:
             print(f"[ablation_report] no evaluated run of experiment=l2r_sweep_{name} yet: skipped", flush=True)
             continue
-        runs_swept = _report(paths, out / f"sweep_{name}_smollm2", [loss])
-        write_sweep_curve(*sweep_points(runs_swept, key), out / f"sweep_{name}_smollm2", key, loss=loss)
+        swept, report = _report(paths, out / f"sweep_{name}_smollm2", [loss])
+        write_sweep_curve(*sweep_points(swept, report, key), out / f"sweep_{name}_smollm2", key, loss=loss)
         written.append(f"sweep_{name}_smollm2")
     print(f"[ablation_report] wrote {', '.join(written)} under {out}", flush=True)
     return written

@@ -14,6 +14,7 @@ import yaml
 from experiments.pipeline.records import temperature_key
 from experiments.reporting.plots import plot_training_curves
 from experiments.reporting.runs import Run
+from experiments.reporting.stats import MEAN
 
 
 def swept_value(run: Run, key: str) -> float | None:
@@ -27,22 +28,16 @@ def swept_value(run: Run, key: str) -> float | None:
     return None
 
 
-def suites_mean(run: Run, temperature: float = 0.0) -> float | None:
-    """The unweighted mean over suites of ``run``'s τ at ``temperature`` (None when it has no entry there)."""
-    key = temperature_key(temperature)
-    taus = [e[key]["tau"] for e in run.results.values() if key in e]
-    return float(np.mean(taus)) if taus else None
-
-
-def sweep_points(runs: Sequence[Run], key: str, baseline: str = "uniform",
+def sweep_points(runs: Sequence[Run], report: dict, key: str, baseline: str = "uniform",
                  temperature: float = 0.0) -> tuple[dict[float, list[float]], list[float]]:
-    """``({value: [suites' mean τ per seed]}, [baseline's τ per seed])``; a run with no ``loss.<key>`` is skipped."""
+    """``({value: [suites' mean τ per seed]}, [baseline's τ per seed])`` from the runs' report
+    (:func:`experiments.reporting.write.write_report`'s, its mean over suites); a run with no ``loss.<key>`` is
+    skipped."""
+    means = report["table"].get(temperature_key(temperature), {}).get(MEAN, {})
     points: dict[float, list[float]] = {}
     base: list[float] = []
-    for run in runs:
-        tau = suites_mean(run, temperature)
-        if tau is None:
-            continue
+    for run in (r for r in runs if r.name in means):
+        tau = float(means[run.name]["tau"])
         if run.config == baseline:
             base.append(tau)
         elif (value := swept_value(run, key)) is not None:
