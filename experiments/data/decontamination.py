@@ -106,21 +106,39 @@ def assert_disjoint(
                          f"\n{shown}{more}")
 
 
-def check_disjoint(prompts: Sequence[tuple[str, str, list[dict]]], cfg_suite, decontaminate) -> int:
-    """Fail if any training prompt ``(id, domain, messages)`` overlaps an evaluation suite of ``cfg_suite``;
-    returns the number of suite prompts. ``decontaminate``: ``ngram``, ``min_chars`` and
-    ``exact_only_domains`` (domains checked for exact containment only)."""
-    suites = load_suites(cfg_suite)
+def overlapping_prompts(prompts: Sequence[tuple[str, str, list[dict]]], suites, decontaminate) -> dict[str, str]:
+    """``{training prompt id: what it shares}`` for every prompt ``(id, domain, messages)`` that overlaps a
+    suite prompt turn. ``decontaminate``: ``ngram``, ``min_chars`` and ``exact_only_domains`` (domains
+    checked for exact containment only)."""
     exact_only = set(decontaminate.get("exact_only_domains") or [])
-    hits = []
+    hits: dict[str, str] = {}
     for exact in (False, True):
         group = [p for p in prompts if (p[1] in exact_only) == exact]
         texts = [m["content"] for _, _, messages in group for m in messages]
         owner = [pid for pid, _, messages in group for _ in messages]
         ngram = None if exact else decontaminate.get("ngram")
         for h in find_overlap(texts, suites, ngram=ngram, min_chars=decontaminate.get("min_chars", 20)):
-            hits.append(f"  {owner[h.text_index]} ~ {h.prompt_id} turn {h.turn} ({h.kind}): {h.match[:80]!r}")
+            hits.setdefault(owner[h.text_index], f"{h.prompt_id} turn {h.turn} ({h.kind}): {h.match[:80]!r}")
+    return hits
+
+
+def check_disjoint(prompts: Sequence[tuple[str, str, list[dict]]], cfg_suite, decontaminate) -> int:
+    """Fail if any training prompt ``(id, domain, messages)`` overlaps an evaluation suite of ``cfg_suite``;
+    returns the number of suite prompts (see :func:`overlapping_prompts` for ``decontaminate``)."""
+    suites = load_suites(cfg_suite)
+    hits = overlapping_prompts(prompts, suites, decontaminate)
     if hits:
+        lines = [f"  {pid} ~ {what}" for pid, what in hits.items()]
         raise ValueError(f"{len(hits)} training prompt(s) overlap the evaluation suites "
-                         f"{sorted(suites)}:\n" + "\n".join(hits[:20]))
+                         f"{sorted(suites)}:\n" + "\n".join(lines[:20]))
     return sum(len(v) for v in suites.values())
+
+
+def drop_overlapping(prompts: list[tuple[str, str, list[dict]]], cfg_suite, decontaminate
+                     ) -> tuple[list[tuple[str, str, list[dict]]], dict[str, str], int]:
+    """``(kept, dropped, suite prompts)``: the prompts without those that overlap an evaluation suite of
+    ``cfg_suite``; ``dropped`` names each one left out and what it shares (for a record). For sources
+    nobody curated against the suites (ShareGPT); curated sources use :func:`check_disjoint`."""
+    suites = load_suites(cfg_suite)
+    dropped = overlapping_prompts(prompts, suites, decontaminate)
+    return [p for p in prompts if p[0] not in dropped], dropped, sum(len(v) for v in suites.values())

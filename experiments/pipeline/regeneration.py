@@ -19,7 +19,8 @@ temperature 0 exactly. Each batch is seeded from ``seed`` and its first prompt i
 
 Decontamination: before anything is generated, every prompt is checked against the evaluation
 suites (``suite``, default all) with :func:`experiments.data.decontamination.check_disjoint`; any hit stops
-the job.
+the job, unless ``decontaminate.drop_overlapping`` (for uncurated sources such as ShareGPT) leaves the
+overlapping prompts out and lists them in ``regen.json`` (``decontamination.dropped``).
 The word n-gram check is skipped for ``decontaminate.exact_only_domains`` (gsm_symbolic problems of
 one template share long n-grams whatever their seeds; their disjointness comes from the seed
 ranges), which still get the exact-containment check.
@@ -50,7 +51,7 @@ from tqdm import tqdm
 from drafters import data as regen
 from drafters import locks
 from drafters.model import target_fingerprint
-from experiments.data.decontamination import check_disjoint
+from experiments.data.decontamination import check_disjoint, drop_overlapping
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import as_messages, encode_messages
 from experiments.data.target import signature_matches, target_signature
@@ -184,13 +185,18 @@ def _regenerate(cfg: DictConfig) -> Path:
         torch.set_num_threads(cfg.num_threads)
     data_dir = Path(cfg.data.data_dir).expanduser()
     prompts = _training_prompts(gen)
-    num_suite = check_disjoint(prompts, cfg.suite, cfg.decontaminate)
-    print(f"[regenerate] {len(prompts)} prompts, disjoint from {num_suite} suite prompts; data dir {data_dir}",
-          flush=True)
+    dropped: dict[str, str] = {}
+    if cfg.decontaminate.get("drop_overlapping"):
+        prompts, dropped, num_suite = drop_overlapping(prompts, cfg.suite, cfg.decontaminate)
+    else:
+        num_suite = check_disjoint(prompts, cfg.suite, cfg.decontaminate)
+    print(f"[regenerate] {len(prompts)} prompts, disjoint from {num_suite} suite prompts ({len(dropped)} overlapping "
+          f"prompts left out); data dir {data_dir}", flush=True)
     backend = hydra.utils.instantiate(cfg.data.backend)  # conf/data/backend/: in process or a server
     try:
         target, tokenizer = backend.open(cfg)
         meta = _start_meta(cfg, data_dir, target, backend)
+        meta["decontamination"] = {"suite_prompts": num_suite, "dropped": dropped}
         max_prompt = _prompt_limit(target, gen)
         todo, skipped = _prompts_to_do(prompts, regen.finished_ids(data_dir), tokenizer, max_prompt)
         start = time.time()

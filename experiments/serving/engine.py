@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ENV_VARIABLE = "BLOCKDRAFT_VLLM_ENV"  # where the vLLM environment is; default REPO_ROOT/.venv-vllm
 INSTALL_COMMAND = "bash experiments/serving/install_vllm.sh"
 WORKER = Path(__file__).with_name("vllm_worker.py")
+GENERATE_WORKER = Path(__file__).with_name("vllm_generate_worker.py")  # regeneration (VLLMBackend)
 
 
 class ServingError(RuntimeError):
@@ -55,7 +56,7 @@ def vllm_python(path: str | os.PathLike | None = None) -> Path:
     return python
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
     """Stop the worker's whole process group (the engine's own processes included)."""
     if proc.poll() is None:
         try:
@@ -69,19 +70,19 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def _tail(path: Path, chars: int = 3000) -> str:
+def tail(path: Path, chars: int = 3000) -> str:
     text = path.read_text(errors="replace") if path.is_file() else ""
     return text[-chars:]
 
 
-def _wait(proc, until, deadline: float, log: Path, step: str, what: str) -> None:
+def wait_for(proc, until, deadline: float, log: Path, step: str, what: str) -> None:
     """Poll until ``until()`` holds; ServingError ``step`` when the worker exits first or ``deadline`` passes."""
     while not until():
         if proc.poll() is not None:
             raise ServingError(step, f"the vLLM worker exited with code {proc.returncode} {what}; its log "
-                                     f"ends:\n{_tail(log)}")
+                                     f"ends:\n{tail(log)}")
         if time.monotonic() > deadline:
-            raise ServingError(step, f"timed out {what}; the worker's log ends:\n{_tail(log)}")
+            raise ServingError(step, f"timed out {what}; the worker's log ends:\n{tail(log)}")
         time.sleep(0.5)
 
 
@@ -101,13 +102,14 @@ def engine_environment(threads: int | None, kv_cache_gb: int, threads_bind: str 
     return env
 
 
-def _launch(python: Path, job: dict, tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
-    """Start the worker for ``job`` in ``tmp`` (its own process group); the process and its log file."""
-    job = {**job, "ready_file": str(tmp / "ready"), "out": str(tmp / "result.json"), "turns_dir": str(tmp)}
+def launch(python: Path, job: dict, tmp: Path, env: dict[str, str], worker: Path = WORKER
+           ) -> tuple[subprocess.Popen, Path]:
+    """Start ``worker`` (a script of the vLLM environment) on ``job`` in ``tmp``, in its own process group;
+    the process and its log file."""
     (tmp / "job.json").write_text(json.dumps(job))
     log = tmp / "worker.log"
     with log.open("w") as log_file:
-        proc = subprocess.Popen([str(python), str(WORKER), str(tmp / "job.json")], stdout=log_file,
+        proc = subprocess.Popen([str(python), str(worker), str(tmp / "job.json")], stdout=log_file,
                                 stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True, env=env)
     return proc, log
 
@@ -135,10 +137,11 @@ def run_engines(jobs: dict[str, dict], *, env_dir: str | os.PathLike | None = No
         for name, job in jobs.items():
             tmp = Path(root) / name
             tmp.mkdir()
-            proc, log = _launch(python, job, tmp, env)
-            stack.callback(_stop, proc)
+            files = {"ready_file": str(tmp / "ready"), "out": str(tmp / "result.json"), "turns_dir": str(tmp)}
+            proc, log = launch(python, {**job, **files}, tmp, env)
+            stack.callback(stop, proc)
             workers[name] = (proc, log, tmp)
-            _wait(proc, (tmp / "ready").is_file, time.monotonic() + start_timeout, log, "engine start",
+            wait_for(proc, (tmp / "ready").is_file, time.monotonic() + start_timeout, log, "engine start",
                   f"before the engine started (limit {start_timeout:.0f} s, model {job['model']}, engine {name})")
         left = dict.fromkeys(jobs, float(run_timeout))  # each engine's own decoding time still allowed
         for phase in range(max(len(job.get("phases", [])) for job in jobs.values())):
@@ -147,15 +150,15 @@ def run_engines(jobs: dict[str, dict], *, env_dir: str | os.PathLike | None = No
                     proc, log, tmp = workers[name]
                     start = time.monotonic()
                     (tmp / f"go_{phase}").write_text("")
-                    _wait(proc, (tmp / f"done_{phase}").is_file, start + left[name], log, "decoding",
+                    wait_for(proc, (tmp / f"done_{phase}").is_file, start + left[name], log, "decoding",
                           f"before engine {name} finished phase {phase} (limit {run_timeout:.0f} s for its phases)")
                     left[name] -= time.monotonic() - start
         results = {}
         for name, (proc, log, tmp) in workers.items():
-            _wait(proc, (tmp / "result.json").is_file, time.monotonic() + max(left[name], 30.0), log, "decoding",
+            wait_for(proc, (tmp / "result.json").is_file, time.monotonic() + max(left[name], 30.0), log, "decoding",
                   f"before engine {name} wrote its result (limit {run_timeout:.0f} s for its phases)")
             results[name] = json.loads((tmp / "result.json").read_text())
-            results[name]["log_tail"] = _tail(log, 2000)
+            results[name]["log_tail"] = tail(log, 2000)
         return results
 
 
