@@ -13,12 +13,14 @@ from omegaconf import DictConfig
 
 import experiments  # noqa: F401  (registers the ${asset:...} resolver)
 from experiments.pipeline.evaluation import run_evaluation
+from experiments.pipeline.run_folder import job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_evaluation(cfg)
+    with job():
+        run_evaluation(cfg)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ from omegaconf import DictConfig
 
 import experiments  # noqa: F401  (registers the ${asset:...} resolver used by run configs)
 from experiments.pipeline.export import export_for_serving
+from experiments.pipeline.run_folder import job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    export_for_serving(cfg)
+    with job():
+        export_for_serving(cfg)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.pipeline.main_job import run_main_job
+from experiments.pipeline.run_folder import job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="main")
 def main(cfg: DictConfig) -> None:
-    run_main_job(cfg)
+    with job():
+        run_main_job(cfg)
 
 
 if __name__ == "__main__":

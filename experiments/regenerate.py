@@ -14,12 +14,14 @@ from omegaconf import DictConfig
 
 import experiments  # noqa: F401  (registers the ${asset:...}, ${settings_hash:...} and ${target_id:...} resolvers)
 from experiments.pipeline.regeneration import regenerate
+from experiments.pipeline.run_folder import job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="regenerate")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    regenerate(cfg)
+    with job():
+        regenerate(cfg)
 
 
 if __name__ == "__main__":

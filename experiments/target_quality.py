@@ -9,13 +9,15 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import experiments  # noqa: F401  (registers the ${asset:...} resolver)
+from experiments.pipeline.run_folder import job
 from experiments.pipeline.target_quality import measure_quality
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="target_quality")
 def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
-    measure_quality(cfg)
+    with job():
+        measure_quality(cfg)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@ import hydra
 from omegaconf import DictConfig
 
 import experiments  # noqa: F401  (registers the ${asset:...}, ${settings_hash:...} and ${target_id:...} resolvers)
+from experiments.pipeline.run_folder import job
 from experiments.pipeline.training import train
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    train(cfg)
+    with job():
+        train(cfg)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ from omegaconf import DictConfig
 
 import experiments  # noqa: F401  (registers the ${asset:...}, ${settings_hash:...} and ${target_id:...} resolvers)
 from experiments.pipeline.assistant import train_assistant
+from experiments.pipeline.run_folder import job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_assistant")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    train_assistant(cfg, list(HydraConfig.get().overrides.task))
+    with job():
+        train_assistant(cfg, list(HydraConfig.get().overrides.task))
 
 
 if __name__ == "__main__":

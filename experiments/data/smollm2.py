@@ -8,14 +8,16 @@ into an ordinary Hugging Face folder:
     $BLOCKDRAFT_CACHE/targets/SmolLM2-135M-Instruct/   (config, float32 safetensors, tokenizer, conversion.json)
 
 written under a lock into a temporary folder and renamed into place, so a killed conversion leaves no
-half folder. ``conversion.json`` records the GGUF's sha256; a folder whose record or files do not match
-is named and converted again. After that the folder loads like any local target
+half folder. ``conversion.json`` records the GGUF's sha256 and each converted file's size and sha256; a folder
+whose record or files do not match (a file edited in place, bytes changed at the same size, a file missing)
+is named with both hashes and converted again. After that the folder loads like any local target
 (:func:`experiments.data.target.load_target`). Run ``python -m experiments.data.smollm2`` to convert
 and print the path; Hydra configs use ``${smollm2_path:}``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -43,6 +45,29 @@ def gguf_file() -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
+def file_sha256(path: Path) -> str:
+    """``path``'s sha256, hashed once per process while its size and modification time stay the same."""
+    info = path.stat()
+    return _sha256_of(str(path.resolve()), info.st_size, info.st_mtime_ns)
+
+
+def _file_problem(path: Path, recorded) -> str | None:
+    """Why the converted file ``path`` is not the one recorded (``{"bytes", "sha256"}``), or None."""
+    if not isinstance(recorded, dict) or "sha256" not in recorded:
+        return f"{path.parent / RECORD} records no sha256 for {path.name} (an older conversion)"
+    if not path.is_file():
+        return f"{path} is missing"
+    found = file_sha256(path)
+    if found != recorded["sha256"]:
+        return f"{path} has sha256 {found}, the conversion recorded {recorded['sha256']}"
+    return None
+
+
 def problem(folder: Path, gguf_sha256: str) -> str | None:
     """Why ``folder`` is not a finished conversion of the GGUF with this sha256 (None when it is)."""
     record_path = folder / RECORD
@@ -56,15 +81,18 @@ def problem(folder: Path, gguf_sha256: str) -> str | None:
         return f"{record_path} is damaged ({err})"
     if record.get("gguf_sha256") != gguf_sha256:
         return f"{record_path} records GGUF sha256 {record.get('gguf_sha256')}, the installed file has {gguf_sha256}"
-    for name, size in record.get("files", {}).items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            return f"{path} is missing or not {size} bytes"
+    if not record.get("files"):
+        return f"{record_path} lists no files"
+    for name, recorded in record["files"].items():
+        why = _file_problem(folder / name, recorded)
+        if why:
+            return why
     return None
 
 
 def convert(gguf: Path, out: Path) -> dict:
-    """Dequantise ``gguf`` into a float32 ``LlamaForCausalLM`` folder at ``out``; returns the file sizes."""
+    """Dequantise ``gguf`` into a float32 ``LlamaForCausalLM`` folder at ``out``; returns each file's size and
+    sha256 (``{name: {"bytes", "sha256"}}``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -77,7 +105,7 @@ def convert(gguf: Path, out: Path) -> dict:
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(out)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    return {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(out.iterdir()) if p.is_file()}
 
 
 def ensure_smollm2(root: str | Path | None = None) -> str:
@@ -86,7 +114,7 @@ def ensure_smollm2(root: str | Path | None = None) -> str:
     folder = root / FOLDER_NAME
     gguf = gguf_file()
     with locks.hold(root, "target conversion folder", wait=True):
-        digest = sha256_file(gguf)
+        digest = file_sha256(gguf)
         why = problem(folder, digest)
         if why is None:
             return str(folder)

@@ -264,15 +264,15 @@ def run_evaluation(cfg: DictConfig) -> dict:
     The folder of ``results.json`` (the run dir) is owned by one process at a time
     (:mod:`drafters.locks`, as a training run dir): a second evaluation into it refuses, naming the owner.
     """
+    settings = DecodingSettings.from_config(cfg)  # bad settings are refused before the run folder is touched
     try:
         with locks.hold(Path(cfg.results_path).expanduser().parent, "run folder"):
-            return _run_evaluation(cfg)
+            return _run_evaluation(cfg, settings)
     finally:
         discard_hydra_records()  # refused before owning the run dir: its .hydra/ stays the owner's
 
 
-def _run_evaluation(cfg: DictConfig) -> dict:
-    settings = DecodingSettings.from_config(cfg)
+def _run_evaluation(cfg: DictConfig, settings: DecodingSettings) -> dict:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     suites = load_suites(cfg.suite)

@@ -9,10 +9,17 @@ regeneration batch size and the commit. The ``recorded`` backend (``data/backend
 :class:`RecordedBackend`) then answers from that file, after regenerating its first
 ``check_batches`` batches in process and comparing them token for token (greedy answers depend on the
 batch they were generated in, so the record's batch size is required).
+
+Integrity: the record holds the archive's sha256 (``answers_sha256``), its row and token counts, and a
+sha256 of the record's own fields (``record_sha256``). :func:`load_answers` refuses, naming the file and both
+values, an archive whose bytes changed, a record whose fields were edited, and counts that disagree with the
+archive; the regenerated batches then check the target, not the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 from pathlib import Path
 
@@ -20,6 +27,7 @@ import numpy as np
 
 from drafters import data as regen
 from drafters.locks import read_json, write_json_atomic
+from experiments.data.suites import sha256_file
 from experiments.pipeline.paths import REPO, portable_path
 from experiments.pipeline.regen_backends import Answer, InProcessBackend, Prompt
 
@@ -29,6 +37,35 @@ RECORD = "record.json"
 
 class RecordMismatch(ValueError):
     """The recorded answers do not belong to this target, these settings or these prompts."""
+
+
+def record_digest(record: dict) -> str:
+    """sha256 of a record's fields other than ``record_sha256`` (canonical JSON)."""
+    fields = {k: v for k, v in record.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def seal(record: dict) -> dict:
+    """``record`` with ``record_sha256`` set: an edit of any field is then detected on load."""
+    return {**record, "record_sha256": record_digest(record)}
+
+
+def _check_record(folder: Path, record: dict, num_ids: int, num_tokens: int) -> None:
+    """Refuse an edited record, a changed archive, or counts that disagree with the archive (each named)."""
+    restore = "restore both files (git checkout) or export the answers again"
+    if "record_sha256" not in record or "answers_sha256" not in record:
+        raise RecordMismatch(f"{folder / RECORD} records no sha256 (written before blockdraft checked them); "
+                             "export the answers again")
+    if record_digest(record) != record["record_sha256"]:
+        raise RecordMismatch(f"{folder / RECORD} was edited: its fields hash to {record_digest(record)}, it records "
+                             f"record_sha256 {record['record_sha256']}; {restore}")
+    found = sha256_file(folder / ANSWERS)
+    if found != record["answers_sha256"]:
+        raise RecordMismatch(f"{folder / ANSWERS} has sha256 {found}, {folder / RECORD} records "
+                             f"{record['answers_sha256']}: the answers were changed; {restore}")
+    if (record.get("rows"), record.get("response_tokens")) != (num_ids, num_tokens):
+        raise RecordMismatch(f"{folder / RECORD} records {record.get('rows')} rows and {record.get('response_tokens')} "
+                             f"response tokens, {folder / ANSWERS} holds {num_ids} and {num_tokens}; {restore}")
 
 
 def _target_record(path: str) -> dict:
@@ -59,15 +96,17 @@ def export_answers(data_dir: str | Path, out: str | Path, target_path: str, gene
     np.savez_compressed(out / ANSWERS, ids=np.array(rows["id"]), domains=np.array(rows["domain"]),
                         tokens=tokens, offsets=offsets)
     record = {"target": _target_record(target_path), "generation": generation, "batch_size": int(batch_size),
-              "rows": len(responses), "response_tokens": int(offsets[-1]), "commit": _commit()}
-    write_json_atomic(out / RECORD, record)
+              "rows": len(responses), "response_tokens": int(offsets[-1]), "commit": _commit(),
+              "answers_sha256": sha256_file(out / ANSWERS)}
+    write_json_atomic(out / RECORD, seal(record))
     print(f"[regenerate] {len(responses)} answers ({int(offsets[-1])} tokens) recorded in {portable_path(out)}",
           flush=True)
     return out
 
 
 def load_answers(folder: str | Path) -> tuple[dict, dict[str, list[int]]]:
-    """``(record, {prompt id: response ids})`` of a recorded-answers folder; a damaged file is named."""
+    """``(record, {prompt id: response ids})`` of a recorded-answers folder; a damaged, changed or edited file is
+    named (module doc)."""
     folder = Path(folder)
     record = read_json(folder / RECORD, "recorded answers record")
     try:
@@ -77,6 +116,7 @@ def load_answers(folder: str | Path) -> tuple[dict, dict[str, list[int]]]:
         raise RecordMismatch(f"{folder / ANSWERS} is missing or damaged ({err})") from err
     if len(offsets) != len(ids) + 1 or offsets[-1] != len(tokens):
         raise RecordMismatch(f"{folder / ANSWERS}: offsets do not match ids/tokens (a damaged file)")
+    _check_record(folder, record, len(ids), len(tokens))
     answers = {str(i): tokens[offsets[k]: offsets[k + 1]].tolist() for k, i in enumerate(ids)}
     return record, answers
 

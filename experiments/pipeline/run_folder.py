@@ -17,6 +17,8 @@ cannot be written before Hydra configures its log file there, with one line nami
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import shutil
@@ -30,14 +32,36 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from drafters.locks import FolderBusyError
+
 HYDRA_RECORDS = ".hydra"
+_PREEXISTING: set[Path] = set()  # run folders that existed before this process's Hydra job started
 
 
 def staging_dir() -> str:
     """Where Hydra writes this process's job records until the job owns its run folder (the ``${hydra_staging:}``
-    resolver): a folder of this user, host and process under the system's temporary folder."""
+    resolver): a folder of this user, host and process under the system's temporary folder. Its parent
+    (``blockdraft-hydra-<uid>``, where the job log is staged beside it) is created here, so that Hydra can open
+    the staged log on a machine that never ran a job before."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return str(Path(tempfile.gettempdir()) / f"blockdraft-hydra-{uid}" / f"{socket.gethostname()}-{os.getpid()}")
+    parent = Path(tempfile.gettempdir()) / f"blockdraft-hydra-{uid}"
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return str(parent / f"{socket.gethostname()}-{os.getpid()}")
+
+
+def temp_problem() -> str | None:
+    """Why the temporary folder cannot hold the staged records (one line naming ``$TMPDIR``), or None.
+    Python would silently fall back to another folder when ``$TMPDIR`` is unusable; a job says so instead."""
+    chosen = os.environ.get("TMPDIR")
+    if not chosen:
+        return None
+    folder = Path(chosen)
+    if not folder.is_dir():
+        return f"TMPDIR={chosen} is not a folder: create it or point TMPDIR at a writable folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return (f"TMPDIR={chosen} is not writable ({_mode(folder)}): make it writable or point TMPDIR at a "
+                "writable folder")
+    return None
 
 
 def _staged_for(run_dir: Path, require_records: bool = True) -> Path | None:
@@ -109,6 +133,95 @@ def discard_hydra_records() -> None:
         Path(handler.baseFilename).unlink(missing_ok=True)
 
 
+def _remove_if_ours_and_empty() -> None:
+    """Remove the Hydra job's run folder when this job created it (Hydra does, before the job starts) and it
+    holds nothing but its released lock file: a refused job leaves no folder behind."""
+    if not HydraConfig.initialized():
+        return
+    folder = OmegaConf.select(HydraConfig.get(), "runtime.output_dir", default=None)
+    if folder is None or Path(folder).resolve() in _PREEXISTING or not Path(folder).is_dir():
+        return
+    inside = list(Path(folder).iterdir())
+    if all(p.is_file() and p.name.startswith(".lock") for p in inside):
+        with contextlib.suppress(OSError):  # something arrived meanwhile: leave it
+            for path in inside:
+                path.unlink()
+            Path(folder).rmdir()
+
+
+# What a job refuses with (bad settings or input, a busy or damaged folder): one line, not a traceback.
+REFUSALS = (ValueError, KeyError, FileNotFoundError, PermissionError, TimeoutError, FolderBusyError)
+# Loggers that do not propagate to the root logger (their own terminal handler) but belong in the job log.
+OWN_HANDLER_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+
+class _Tee(io.TextIOBase):
+    """A terminal stream whose writes also go to the job's log files (each handler's current stream, which
+    :func:`commit_job_log` moves from the staging folder to the run folder)."""
+
+    def __init__(self, stream, handlers: list[logging.FileHandler]):
+        self.stream, self.handlers = stream, handlers
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        for handler in self.handlers:
+            with contextlib.suppress(ValueError, OSError):  # a handler closed at exit
+                handler.acquire()
+                try:
+                    if handler.stream is not None:
+                        handler.stream.write(text)
+                finally:
+                    handler.release()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        for handler in self.handlers:
+            with contextlib.suppress(ValueError, OSError):
+                handler.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ... of the terminal stream
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _messages_in_job_log():
+    """While the job runs, what it prints and what Lightning logs also reach its log file (staged, then
+    ``<run folder>/<job name>.log``), not only the terminal."""
+    handlers = _staged_logs() or [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not handlers:
+        yield
+        return
+    own = [logging.getLogger(name) for name in OWN_HANDLER_LOGGERS]
+    for logger in own:
+        for handler in handlers:
+            logger.addHandler(handler)
+    old, sys.stdout = sys.stdout, _Tee(sys.stdout, handlers)
+    try:
+        yield
+    finally:
+        sys.stdout = old
+        for logger in own:
+            for handler in handlers:
+                logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def job():
+    """Run an entry point's job. What it prints joins its log file. A refusal (:data:`REFUSALS`) leaves the run
+    folder as it was when the job did not own it yet (staged records dropped, a folder this job created and left
+    empty removed) and exits with one line, ``error: <message>``; ``HYDRA_FULL_ERROR=1`` shows the traceback."""
+    try:
+        with _messages_in_job_log():
+            yield
+    except REFUSALS as e:
+        discard_hydra_records()
+        _remove_if_ours_and_empty()
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(f"error: {e} (HYDRA_FULL_ERROR=1 shows the traceback)")
+
+
 def _mode(path: Path) -> str:
     info = path.stat()
     return f"mode {stat.filemode(info.st_mode)}, owner uid {info.st_uid}"
@@ -144,9 +257,11 @@ class RunFolderCheck(Callback):
         if not HydraConfig.initialized():  # the folder's name may read ${hydra:...}, set only later by Hydra
             HydraConfig.instance().set_config(config)
         folder = OmegaConf.select(config, key, default=None)
-        problem = unwritable(folder) if folder is not None else None
+        problem = temp_problem() or (unwritable(folder) if folder is not None else None)
         if problem:
             sys.exit(f"error: {problem}")
+        if folder is not None and Path(folder).expanduser().exists():
+            _PREEXISTING.add(Path(folder).expanduser().resolve())
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         self._check(config, "hydra.run.dir")

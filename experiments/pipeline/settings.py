@@ -56,6 +56,20 @@ class DecodingSettings:
             values["temperatures"] = tuple(values["temperatures"])
         return cls(**values)
 
+    def __post_init__(self) -> None:
+        """Refuse settings no evaluation can run with, naming the key, before anything is loaded."""
+        positive = {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size,
+                    "num_bootstrap": self.num_bootstrap}
+        for key, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {list(self.temperatures)}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or null, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or null, got {self.top_p}")
+
     def generation(self) -> dict[str, Any]:
         """The settings that change the numbers (results.json's ``settings``: resumed only when equal)."""
         return {k: getattr(self, k) for k in GENERATION_KEYS}
