@@ -93,7 +93,8 @@ def _job(args: list[str], root, tmpdir) -> subprocess.CompletedProcess:
            "BLOCKDRAFT_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "offline"}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, cwd=REPO,
+                          check=False)
 
 
 @pytest.mark.slow
@@ -130,11 +131,9 @@ def test_a_new_machine_trains_and_evaluates_with_an_empty_tmpdir(tmp_path):
 def test_a_busy_folder_is_refused_in_one_line(monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     busy = run_folder.FolderBusyError("run folder runs/x is in use by pid 12 on host h (lock runs/x/.lock)")
-    with pytest.raises(SystemExit) as exit_:
-        with run_folder.job():
-            raise busy
+    with pytest.raises(SystemExit) as exit_, run_folder.job():
+        raise busy
     assert exit_.value.code == f"error: {busy} (HYDRA_FULL_ERROR=1 shows the traceback)"
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    with pytest.raises(run_folder.FolderBusyError):
-        with run_folder.job():
-            raise busy
+    with pytest.raises(run_folder.FolderBusyError), run_folder.job():
+        raise busy

@@ -43,10 +43,6 @@ class DecodingSettings:
     #: column_major (no sgemm cliff at 4+ rows on CPU BLAS; same values)
     weight_layout: str = "row_major"
 
-    def __post_init__(self):
-        if self.weight_layout not in LAYOUTS:
-            raise ValueError(f"weight_layout: {self.weight_layout!r} is not one of {list(LAYOUTS)}")
-
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> DecodingSettings:
         """The settings named in ``cfg`` (a config section holding them, among other keys)."""
@@ -69,6 +65,8 @@ class DecodingSettings:
             raise ValueError(f"top_k must be >= 1 or null, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] or null, got {self.top_p}")
+        if self.weight_layout not in LAYOUTS:
+            raise ValueError(f"weight_layout: {self.weight_layout!r} is not one of {list(LAYOUTS)}")
 
     def generation(self) -> dict[str, Any]:
         """The settings that change the numbers (results.json's ``settings``: resumed only when equal)."""
