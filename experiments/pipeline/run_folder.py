@@ -192,7 +192,7 @@ def _messages_in_job_log():
     if not handlers:
         yield
         return
-    own = [logging.getLogger(name) for name in OWN_HANDLER_LOGGERS]
+    own = [logger for logger in map(logging.getLogger, OWN_HANDLER_LOGGERS) if not logger.propagate]
     for logger in own:
         for handler in handlers:
             logger.addHandler(handler)
