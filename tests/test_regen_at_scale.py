@@ -73,12 +73,10 @@ def test_the_sharegpt_source_gives_first_turn_prompts(tmp_path):
 
 
 def test_overlapping_uncurated_prompts_are_left_out_and_named(monkeypatch):
-    suite = {"mtbench": [Prompt("mtbench/1", "dialogue", ["Compose an engaging travel blog post about a recent trip "
-                                                          "to Hawaii, highlighting cultural experiences"])]}
+    turn = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences"
+    suite = {"mtbench": [Prompt("mtbench/1", "dialogue", [turn])]}
     monkeypatch.setattr("experiments.data.decontamination.load_suites", lambda cfg: suite)
-    prompts = [("sharegpt/x", "dialogue", [{"role": "user", "content": "Please compose an engaging travel blog post "
-                                                                       "about a recent trip to Hawaii, highlighting "
-                                                                       "cultural experiences and sights"}]),
+    prompts = [("sharegpt/x", "dialogue", [{"role": "user", "content": f"Please {turn.lower()} and sights"}]),
                ("sharegpt/y", "dialogue", [{"role": "user", "content": "What is a monad?"}])]
     kept, dropped, num_suite = drop_overlapping(prompts, None, {"ngram": 13, "min_chars": 20})
     assert [p[0] for p in kept] == ["sharegpt/y"] and num_suite == 1
@@ -112,8 +110,8 @@ STUB = textwrap.dedent("""
 
 
 def test_the_vllm_backend_answers_batches_through_its_worker(tmp_path, monkeypatch):
-    from test_train import save_target
     from omegaconf import OmegaConf
+    from test_train import save_target
 
     (tmp_path / "stub.py").write_text(STUB)
     monkeypatch.setattr(engine, "vllm_python", lambda env_dir=None: sys.executable)
