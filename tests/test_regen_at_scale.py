@@ -17,6 +17,7 @@ from experiments.data import corpora, sharegpt
 from experiments.data.decontamination import drop_overlapping
 from experiments.data.suites import Prompt
 from experiments.pipeline import engine_agreement, regen_backends
+from experiments.pipeline import recorded_answers as ra
 from experiments.serving import engine
 
 CONVERSATIONS = [
@@ -152,5 +153,10 @@ def test_vllm_regenerates_the_tiny_targets_answers(tmp_path, monkeypatch):
     rows = regen.load_regenerated(tmp_path / "vllm")
     assert meta["complete"] and meta["backend"]["kind"] == "vllm" and meta["answers"]["vllm"] == len(rows) == 16
     assert all(len(r) - p <= 32 for r, p in zip(rows["input_ids"], rows["prompt_len"]))
-    result = engine_agreement.measure(tmp_path / "vllm", meta["settings"]["target"]["path"], sample=6)
+    target = meta["settings"]["target"]["path"]
+    result = engine_agreement.measure(tmp_path / "vllm", target, sample=6)
     assert result["sample"] == 6 and result["identical"] >= 3, result
+    record, answers = ra.load_answers(ra.export_answers(tmp_path / "vllm", tmp_path / "asset", target,
+                                                        meta["settings"]["generation"], 256))
+    assert record["engine"]["kind"] == "vllm" and record["rows"] == len(answers) == 16
+    assert set(record["sources"]) == {"dialogue", "reasoning"} and 0 <= record["cut_at_max_new_tokens"] <= 1

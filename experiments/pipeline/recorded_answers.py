@@ -19,7 +19,9 @@ archive; the regenerated batches then check the target, not the file.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import platform
 import subprocess
 from pathlib import Path
 
@@ -27,9 +29,11 @@ import numpy as np
 
 from drafters import data as regen
 from drafters.locks import read_json, write_json_atomic
+from experiments.data import sharegpt
 from experiments.data.suites import sha256_file
+from experiments.data.target import eos_token_ids
 from experiments.pipeline.paths import REPO, portable_path
-from experiments.pipeline.regen_backends import Answer, InProcessBackend, Prompt
+from experiments.pipeline.regen_backends import Answer, InProcessBackend, Prompt, load_target_files
 
 ANSWERS = "answers.npz"
 RECORD = "record.json"
@@ -85,8 +89,53 @@ def _commit() -> str | None:
         return None
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def sources_record(generation: dict) -> dict:
+    """Where each prompt source came from: ShareGPT's file (its sha256), the packages' versions of the others."""
+    sources = (generation.get("prompts") or {}).get("sources") or []
+    packages = {"code_chat": ("python (standard library)", platform.python_version()),
+                "reasoning": ("reasoning-gym", _version("reasoning-gym")),
+                "dialogue": ("chatterbot-corpus", _version("chatterbot-corpus"))}
+    record = {}
+    for name in sources:
+        if name == "sharegpt":
+            record[name] = sharegpt.source_record()
+        elif name in packages:
+            record[name] = {"package": packages[name][0], "version": packages[name][1]}
+    return record
+
+
+def _cut_share(responses: list[list[int]], max_new_tokens: int, eos: list[int]) -> float:
+    """The share of answers cut off at ``max_new_tokens`` (no EOS at the end)."""
+    cut = sum(1 for r in responses if len(r) >= max_new_tokens and (not r or r[-1] not in eos))
+    return round(cut / max(1, len(responses)), 4)
+
+
+def _regeneration_record(data_dir: Path, target_path: str, generation: dict, responses) -> dict:
+    """What the data folder's regen.json and its agreement check say of how the answers were made."""
+    meta = regen.read_meta(data_dir) or {}
+    target, tokenizer = load_target_files(target_path)
+    record = {"engine": meta.get("backend"), "sources": sources_record(generation),
+              "cut_at_max_new_tokens": _cut_share(responses, generation["max_new_tokens"],
+                                                  eos_token_ids(target, tokenizer)),
+              "decontamination": {"dropped": len((meta.get("decontamination") or {}).get("dropped") or {}),
+                                  "suite_prompts": (meta.get("decontamination") or {}).get("suite_prompts")},
+              "skipped_long_prompts": meta.get("skipped_long_prompts")}
+    agreement = Path(data_dir) / "agreement.json"
+    if agreement.is_file():
+        record["agreement_with_in_process_target"] = read_json(agreement, "engine agreement record")
+    return record
+
+
 def export_answers(data_dir: str | Path, out: str | Path, target_path: str, generation: dict, batch_size: int) -> Path:
-    """Write ``answers.npz`` (ids, domains, response token ids as uint32 with offsets) and ``record.json``."""
+    """Write ``answers.npz`` (ids, domains, response token ids as uint32 with offsets) and ``record.json``
+    (module doc: target, settings, how the answers were made, counts, hashes)."""
     rows = regen.load_regenerated(data_dir)
     responses = [row[p:] for row, p in zip(rows["input_ids"], rows["prompt_len"])]
     out = Path(out)
@@ -97,6 +146,7 @@ def export_answers(data_dir: str | Path, out: str | Path, target_path: str, gene
                         tokens=tokens, offsets=offsets)
     record = {"target": _target_record(target_path), "generation": generation, "batch_size": int(batch_size),
               "rows": len(responses), "response_tokens": int(offsets[-1]), "commit": _commit(),
+              **_regeneration_record(Path(data_dir), target_path, generation, responses),
               "answers_sha256": sha256_file(out / ANSWERS)}
     write_json_atomic(out / RECORD, seal(record))
     print(f"[regenerate] {len(responses)} answers ({int(offsets[-1])} tokens) recorded in {portable_path(out)}",

@@ -55,6 +55,7 @@ from experiments.data.decontamination import check_disjoint, drop_overlapping
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import as_messages, encode_messages
 from experiments.data.target import signature_matches, target_signature
+from experiments.pipeline.recorded_answers import export_answers
 from experiments.pipeline.regen_backends import Answer, Prompt
 
 
@@ -69,8 +70,6 @@ def regenerate(cfg: DictConfig) -> Path:
     with locks.hold(Path(cfg.data.data_dir).expanduser(), "data folder", wait=True):
         data_dir = _regenerate(cfg)
     if cfg.get("export_answers"):
-        from experiments.pipeline.recorded_answers import export_answers
-
         export_answers(data_dir, cfg.export_answers, cfg.target.path,
                        OmegaConf.to_container(cfg.data.generation, resolve=True), cfg.batch_size)
     return data_dir
