@@ -24,7 +24,8 @@ from torch import nn
 
 from drafters.blocks import run_target, select_blocks, slot_stats
 from drafters.compat import register_output_recording, strip_output_capturing_hooks
-from drafters.config import accepts_argument, check_same_config
+from drafters.config import accepts_argument
+from drafters.factory import check_same_config
 from drafters.optim import warmup_cosine, weight_decay_groups
 from drafters.tau import batch_tau_counts
 from drafters.validation import ValidationSums

@@ -250,7 +250,7 @@ def machine(args) -> dict:
 
 
 def run(args) -> dict:
-    from drafters import BlockDiffusionDrafter
+    from drafters import factory
 
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
@@ -262,7 +262,7 @@ def run(args) -> dict:
               "random_weights": True, "notes": args.note, "build_s": round(time.perf_counter() - start, 1)}
     report["regeneration"] = bench_regeneration(target, args)
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.drafter_layers)
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.drafter_layers)
     drafter.to(args.device)
     report["drafter_parameters"] = sum(p.numel() for p in drafter.parameters())
     batch = make_batch(args.seq_len, args.prompt_len, target.config.vocab_size, args.device)

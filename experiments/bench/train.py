@@ -36,7 +36,7 @@ import hydra.utils
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafters import BlockDiffusionDrafter
+from drafters import factory
 from drafters.blocks import select_blocks
 from drafters.module import DrafterLightningModule
 from drafters.optim import warmup_cosine
@@ -79,7 +79,7 @@ def with_cached_features(batch: dict, target, layer_ids) -> dict:
 def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     loss = hydra.utils.instantiate(loss_configs([name])[name])
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
     drafter.to(args.device)
     module = DrafterLightningModule(
         drafter, target, loss, functools.partial(torch.optim.AdamW, lr=6e-4, weight_decay=0.01),
@@ -137,7 +137,7 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
 
 @torch.no_grad()
 def bench_validation(target, args, batch) -> dict:
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
     drafter.to(args.device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)

@@ -53,10 +53,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.locks import read_json
-from experiments.serving import engine
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import left_pad
 from experiments.data.target import eos_token_ids, load_target
+from experiments.serving import engine
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
