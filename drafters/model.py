@@ -307,7 +307,7 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, states: Sequence[torch.Tensor] | torch.Tensor, positions: torch.Tensor):
         """Per-layer rotated keys/values, num_layers x ((Bt, h_kv, S, d), (Bt, h_kv, S, d)), of the
         context columns from their selected target hidden states: L x (Bt, S, H), or their
-        concatenation (Bt, S, L*H) as :mod:`drafters.features` caches it.
+        concatenation (Bt, S, L*H) as :mod:`drafters.training.features` caches it.
 
         ``context = RMSNorm(fuse(concat(states)))`` (Bt, S, H), the same for every layer. It depends only on
         the columns themselves: drafting computes it once per column and caches the keys/values.

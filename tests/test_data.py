@@ -1,4 +1,4 @@
-"""drafters.data: anchor sampling, collate, label masks, storage, the id split and the DataModule."""
+"""drafters.training.datamodule: anchor sampling, collate, label masks, storage, the id split and the DataModule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from conftest import tiny_target
 from scipy.stats import chisquare
 
 from drafters import factory
-from drafters.data import (
+from drafters.training.datamodule import (
     EpochShuffle,
     RegenDataModule,
     RegenDataset,

@@ -295,7 +295,7 @@ def baseline_runs(assets, tmp_path_factory):
     _target(tok, seed=3).save_pretrained(assets / "assistant")
     runs = tmp_path_factory.mktemp("baselines")
     docs = {}
-    from drafters.data import write_shard
+    from drafters.training.datamodule import write_shard
 
     answers = [tok(t)["input_ids"] for t in ["The answer is 5. Fine, thank you.", "def add(a, b):\n    # ok"]]
     write_shard([{"id": f"r{i}", "domain": "dialogue", "input_ids": [1, 2, *a], "prompt_len": 2}
@@ -404,8 +404,8 @@ def test_block_drafter_confidence_threshold(assets):
 def test_block_drafter_hint_data_dir(assets, tmp_path):
     """drafter.hint_data_dir: a store-hints drafter reads its hints from every answer of another data folder
     (recorded in results.json's config); a drafter without store hints, or a missing folder, is named."""
-    from drafters.data import write_shard
     from drafters.hints import HintStore
+    from drafters.training.datamodule import write_shard
     from experiments.data.target import load_target
     from experiments.pipeline.eval_drafters import block_drafter
 

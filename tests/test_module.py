@@ -1,4 +1,4 @@
-"""drafters.module: training raises τ, teacher-forced τ = online τ, resume, DDP, checkpoints, errors."""
+"""drafters.training.module: training raises τ, teacher-forced τ = online τ, resume, DDP, checkpoints, errors."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from conftest import left_padded_prompts, tiny_target
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from drafters import factory
-from drafters.data import RegenDataModule, collate, write_meta, write_shard
-from drafters.module import DrafterLightningModule
-from drafters.optim import warmup_cosine
 from drafters.tau import greedy_walk, teacher_forced_tau
+from drafters.training.datamodule import RegenDataModule, collate, write_meta, write_shard
+from drafters.training.module import DrafterLightningModule
+from drafters.training.optim import warmup_cosine
 from losses import AcceptanceAlignedLoss
 from verify import speculative_generate, target_generate
 

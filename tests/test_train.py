@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import factory
-from drafters.data import finished_ids, read_meta, shard_dirs
+from drafters.training.datamodule import finished_ids, read_meta, shard_dirs
 from experiments import regenerate, train
 from experiments.data.decontamination import check_disjoint
 from experiments.data.prompts import as_messages

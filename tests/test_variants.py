@@ -93,7 +93,7 @@ def test_untrained_drafter_with_every_target_layer_and_causal_anchor_is_the_targ
 def test_training_a_frozen_anchor_drafter_moves_slots_2_to_K_never_slot_1(arch):
     """``frozen_anchor``: after optimiser steps on every slot, slot 1 is still the target's own next-token logits
     (training forward and inference) while the other slots moved; without the flag the same steps move slot 1."""
-    from drafters.optim import weight_decay_groups
+    from drafters.training.optim import weight_decay_groups
 
     target = build_target(arch)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from drafters import factory
-from drafters.blocks import select_blocks
-from drafters.data import collate
 from drafters.dflash import export_dflash
 from drafters.tau import greedy_walk
+from drafters.training.blocks import select_blocks
+from drafters.training.datamodule import collate
 from experiments.serving.compare import engine_walk, position_counts, sequence_leads
 from experiments.serving.engine import ServingError, run_engine, vllm_python
 from verify.generate import speculative_generate, target_generate

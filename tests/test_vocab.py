@@ -1,4 +1,4 @@
-"""drafters.vocab: a candidate vocabulary for the training loss (frequent tokens, label remapping, logits)."""
+"""drafters.training.vocab: a candidate vocabulary for the training loss (frequent tokens, label remapping, logits)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 from conftest import tiny_target
 
 from drafters import factory
-from drafters.blocks import select_blocks
-from drafters.vocab import TrainVocab, coverage, frequent_tokens, lookup_table, remap_labels
+from drafters.training.blocks import select_blocks
+from drafters.training.vocab import TrainVocab, coverage, frequent_tokens, lookup_table, remap_labels
 
 
 def test_frequent_tokens_keeps_the_most_frequent_and_the_forced_ids():

@@ -25,9 +25,9 @@ import time
 import torch
 
 from drafters import factory
-from drafters.data import load_regenerated, split_by_id
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
+from drafters.training.datamodule import load_regenerated, split_by_id
 from experiments.bench import lookup_replay as replay
 from experiments.bench import prefill, write_record
 from experiments.data.target import load_target

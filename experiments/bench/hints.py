@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from drafters import factory
-from drafters.data import collate, id_hash, load_regenerated, split_by_id
-from drafters.features import FeatureStore, ensure_features
 from drafters.hints import lookup_hints
 from drafters.model import DFlashDrafter
+from drafters.training.datamodule import collate, ensure_features, id_hash, load_regenerated, split_by_id
+from drafters.training.features import FeatureStore
 from experiments.data.target import TINY_TARGET_DIR, load_target
 from experiments.pipeline.paths import cache_path, portable_path, runs_path
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
                    else factory.without_variant(drafter, "refine"))
     store = FeatureStore(ensure_features(target, args.data_dir, drafter.target_layer_ids, max_length=args.max_length))
     data = load_regenerated(args.data_dir)
-    # the rows training validates on (drafters.data: held out by id hash, the first max_val_samples by hash)
+    # the rows training validates on (drafters.training.datamodule: held out by id hash, the first max_val_samples by hash)
     held_out = sorted(sorted(split_by_id(data["id"], 0.05)[1], key=lambda i: id_hash(data["id"][i]))[: args.val_rows])
     rows = [{"input_ids": data[i]["input_ids"][: args.max_length], "prompt_len": data[i]["prompt_len"],
              "features": store[i]} for i in held_out

@@ -7,7 +7,7 @@
 
 A plain loop (AdamW, warmup + cosine, uniform CE or ``--gamma`` decay, gradient clipping at 1.0), no Lightning: the
 drafter from :func:`drafters.factory.from_target`, the context from the feature cache
-of :mod:`drafters.features` (computed on first use), anchors from :func:`drafters.data.sample_anchors`.
+of :mod:`drafters.training.features` (computed on first use), anchors from :func:`drafters.training.datamodule.sample_anchors`.
 Every ``--eval-every`` steps it records, on the validation split (or the training batch with
 ``--overfit``): CE, top-1 accuracy per slot, and the teacher-forced greedy τ over every response
 anchor (on greedy self-distilled data the data's tokens are the target's greedy tokens, so this τ is
@@ -34,10 +34,16 @@ from tqdm.auto import tqdm
 
 from drafters import factory
 from drafters.config import target_final_norm_weight
-from drafters.data import collate, load_regenerated, sample_anchors, split_by_id
-from drafters.features import FeatureStore, ensure_features
 from drafters.layers import copy_target_layers
 from drafters.model import DFlashDrafter
+from drafters.training.datamodule import (
+    collate,
+    ensure_features,
+    load_regenerated,
+    sample_anchors,
+    split_by_id,
+)
+from drafters.training.features import FeatureStore
 from experiments.data.target import TINY_TARGET_DIR, load_target
 from losses import AcceptanceAlignedLoss
 

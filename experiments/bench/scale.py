@@ -129,7 +129,7 @@ def bench_prefill(target, drafter, batch, device: str):
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
                      use_cache=True, logits_to_keep=1)
     layers = [out.hidden_states[i] for i in drafter.target_layer_ids]
-    features = torch.cat(layers, dim=-1).half().float()  # as drafters.features stores them (float16)
+    features = torch.cat(layers, dim=-1).half().float()  # as drafters.training.features stores them (float16)
     tokens = batch["input_ids"].numel()
     report = {"tokens": tokens, "seconds": round(m.seconds, 3), "cpu_seconds": round(m.cpu_seconds, 3),
               "tokens_per_s": round(tokens / m.seconds, 2),
@@ -139,8 +139,8 @@ def bench_prefill(target, drafter, batch, device: str):
 
 
 def _module(target, drafter, args):
-    from drafters.module import DrafterLightningModule
-    from drafters.optim import warmup_cosine
+    from drafters.training.module import DrafterLightningModule
+    from drafters.training.optim import warmup_cosine
     from losses import AcceptanceAlignedLoss
 
     return DrafterLightningModule(
@@ -151,7 +151,7 @@ def _module(target, drafter, args):
 
 def bench_train(target, drafter, batch, args, steps: int) -> dict:
     """``steps`` drafter training steps (the module's step: context, blocks, loss, backward, AdamW)."""
-    from drafters.blocks import select_blocks
+    from drafters.training.blocks import select_blocks
 
     module = _module(target, drafter, args)
     optimizer = module.configure_optimizers()["optimizer"]

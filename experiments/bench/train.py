@@ -16,7 +16,7 @@ reports, over ``--steps`` timed steps after ``--warmup``:
   lifetime peak), ``peak_cuda_mb`` on a GPU.
 
 Every loss runs twice in one process (``--features both``): with a target forward per step, as
-without a feature cache, and with cached features (:mod:`drafters.features`; soft losses still need
+without a feature cache, and with cached features (:mod:`drafters.training.features`; soft losses still need
 the target's logits and always run it), so the speedup of the cache is a ratio measured in one run.
 
 Plus, once, the cost of one validation batch (teacher-forced τ over every response anchor). The
@@ -37,11 +37,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters import factory
-from drafters.blocks import select_blocks
-from drafters.module import DrafterLightningModule
-from drafters.optim import warmup_cosine
 from drafters.tau import anchor_acceptance
-from drafters.vocab import TrainVocab
+from drafters.training.blocks import select_blocks
+from drafters.training.module import DrafterLightningModule
+from drafters.training.optim import warmup_cosine
+from drafters.training.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
 
@@ -68,7 +68,7 @@ def make_batch(batch_size: int, seq_len: int, prompt_len: int, vocab: int, devic
 
 
 def with_cached_features(batch: dict, target, layer_ids) -> dict:
-    """The batch plus ``features`` (B, S, L*H), as drafters.features caches them (float16 on disk)."""
+    """The batch plus ``features`` (B, S, L*H), as drafters.training.features caches them (float16 on disk)."""
     with torch.no_grad():
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      output_hidden_states=True, use_cache=False)

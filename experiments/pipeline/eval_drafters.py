@@ -26,12 +26,12 @@ from transformers import AutoModelForCausalLM
 import conf
 from drafters import factory
 from drafters.checks import TargetMismatchError
-from drafters.data import load_regenerated
 from drafters.factory import with_variant, without_variant
 from drafters.hints import HintStore
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
+from drafters.training.datamodule import load_regenerated
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.hf import output_vocab_size

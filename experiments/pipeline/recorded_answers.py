@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters import data as regen
 from drafters.locks import read_json, write_json_atomic
+from drafters.training import datamodule as regen
 from experiments.pipeline.paths import REPO, portable_path
 from experiments.pipeline.regen_backends import Answer, InProcessBackend, Prompt
 

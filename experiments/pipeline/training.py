@@ -10,7 +10,7 @@ csv or wandb).
 The run directory is fixed by ``name`` (default ``<target>-<loss>-s<seed>``), so a killed run started
 again with the same command resumes from ``checkpoints/last.ckpt`` (same step, optimizer and
 scheduler state, data position and random streams: it ends as the uninterrupted run, see
-:mod:`drafters.resume`) when the loss, drafter, data and optimiser settings are those saved in
+:mod:`drafters.training.resume`) when the loss, drafter, data and optimiser settings are those saved in
 ``run_settings.json`` (only ``train.max_steps`` may change; otherwise it refuses, naming the
 differences); ``resume=false`` refuses to resume. One process owns the run dir at a time
 (``<run dir>/.lock``, :mod:`drafters.locks`): a second job of the same name refuses. It ends up holding
@@ -38,14 +38,15 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import data as regen
 from drafters import locks
 from drafters.factory import read_saved_config
-from drafters.features import HEAD, ensure_features
-from drafters.features import features_dir as features_folder
 from drafters.hints import HintStore
 from drafters.model import DFlashDrafter, target_fingerprint
-from drafters.vocab import coverage, frequent_tokens
+from drafters.training import datamodule as regen
+from drafters.training.datamodule import ensure_features
+from drafters.training.features import HEAD
+from drafters.training.features import features_dir as features_folder
+from drafters.training.vocab import coverage, frequent_tokens
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
@@ -90,7 +91,7 @@ def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
 
 def set_train_vocab(module, datamodule, cfg: DictConfig) -> None:
     """With ``module.train_vocab_size``: the candidate vocabulary of the training loss, the most frequent
-    response tokens of the training rows plus the target's EOS ids (:mod:`drafters.vocab`)."""
+    response tokens of the training rows plus the target's EOS ids (:mod:`drafters.training.vocab`)."""
     size = cfg.module.get("train_vocab_size")
     if not size:
         return
