@@ -1,24 +1,13 @@
-"""Block-diffusion drafters: the core DFlash drafter (drafters.model), its variants (drafters.variants), the
-decoding policy (drafters.policy), and (in data/module) its training."""
+"""Block-diffusion drafters: the DFlash drafter (:mod:`drafters.model`, its layers :mod:`drafters.layers`), its
+research variants (:mod:`drafters.variants`), making and loading drafters (:mod:`drafters.factory`), the DFlash
+serving format (:mod:`drafters.dflash`), the decoding policy (:mod:`drafters.policy`), and their training
+(:mod:`drafters.training`)."""
 
-from drafters.attention import build_block_attention_mask
-from drafters.model import BlockDiffusionDrafter, DFlashDrafter, DrafterConfig
+from drafters.config import DrafterConfig
+from drafters.factory import build, from_target, load
+from drafters.layers import build_block_attention_mask
+from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
 
-__all__ = ["BlockDiffusionDrafter", "DFlashDrafter", "DrafterConfig", "DraftingPolicy", "PolicyDrafter",
-           "build_block_attention_mask"]
-
-# Training side (data, LightningModule), imported lazily: it pulls in Lightning and datasets.
-_TRAINING = {"RegenDataModule": "drafters.data", "collate": "drafters.data", "sample_anchors": "drafters.data",
-             "DrafterLightningModule": "drafters.module", "teacher_forced_tau": "drafters.tau",
-             "warmup_cosine": "drafters.optim"}
-__all__ += ["DrafterLightningModule", "RegenDataModule", "collate", "sample_anchors", "teacher_forced_tau",
-            "warmup_cosine"]
-
-
-def __getattr__(name: str):
-    if name in _TRAINING:
-        import importlib
-
-        return getattr(importlib.import_module(_TRAINING[name]), name)
-    raise AttributeError(f"module 'drafters' has no attribute {name!r}")
+__all__ = ["DFlashDrafter", "DrafterConfig", "DraftingPolicy", "PolicyDrafter", "build", "build_block_attention_mask",
+           "from_target", "load"]

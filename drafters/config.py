@@ -8,6 +8,7 @@ when it is attached to a target or resumed.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,12 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafters.checks import check_target_config, legacy_fingerprint
+from drafters.checks import check_target_config
 
 FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
 MAX_DEFAULT_TARGET_LAYERS = 5
-# Values of DrafterConfig fields for saved configs that predate them (their drafters had no such part).
-LEGACY_DEFAULTS = {"qk_norm": False, "attention_bias": False}
 
 
 @dataclass
@@ -93,13 +92,12 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
-        """Rebuild a saved config. Configs saved before a field existed get the behaviour they were
-        trained with (``LEGACY_DEFAULTS``: no q/k norm), not the defaults of new drafters."""
+        """Rebuild a saved config (older ones: :func:`drafters.factory.upgrade_saved_config` first)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown DrafterConfig keys {unknown}; known: {sorted(names)}")
-        return cls(**{**LEGACY_DEFAULTS, **d})
+        return cls(**d)
 
 
 def target_fingerprint(target_config: Any) -> dict[str, Any]:
@@ -143,8 +141,6 @@ def default_target_layer_ids(
 
 def accepts_argument(fn: Any, name: str) -> bool:
     """Whether ``fn`` takes a keyword ``name`` (e.g. a target's forward and ``logits_to_keep``)."""
-    import inspect
-
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -198,23 +194,3 @@ def target_sizes(config: Any) -> dict[str, Any]:
         "vocab_size": int(vocab),
     }
 
-
-def check_same_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint whose drafter config (``saved``, a drafter's ``saved_config()``, or the flat
-    config of an older blockdraft) is not ``current`` (the drafter's ``saved_config()``): another target
-    (fingerprint), or another drafter shape or variant (the fields named)."""
-    from drafters.variants import compose, options_of, read_saved_config
-
-    saved = legacy_fingerprint(saved, current)  # a checkpoint from before the weights signature: compared without it
-    if saved.get("target_fingerprint") != current["target_fingerprint"]:
-        raise ValueError(
-            f"checkpoint was trained for another target: its target fingerprint is "
-            f"{saved.get('target_fingerprint')}, the current target's is {current['target_fingerprint']}"
-        )
-    config, variants = read_saved_config(saved, "in the checkpoint")
-    options = options_of(compose(variants), variants, config)
-    saved = config.to_dict() | {"variants": {n: dataclasses.asdict(o) for n, o in options.items()}}
-    diffs = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-    if diffs:
-        shown = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diffs.items())
-        raise ValueError(f"checkpoint's drafter config differs from the current one: {shown}")

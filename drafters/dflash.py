@@ -119,12 +119,10 @@ def _check_exportable(drafter: DFlashDrafter) -> None:
     cfg: DrafterConfig = drafter.config
     if not isinstance(drafter, DFlashDrafter):
         raise DFlashFormatError(f"{type(drafter).__name__} is not a blockdraft drafter; expected a DFlashDrafter")
-    if type(drafter).variant_names:
-        from drafters.variants import REGISTRY
-
-        reasons = "; ".join(REGISTRY[name].export_refusal for name in type(drafter).variant_names)
+    if drafter.variants:
+        reasons = "; ".join(v.export_refusal for v in drafter.variants.values())
         raise DFlashFormatError(
-            f"{type(drafter).__name__}: a variant of the DFlash drafter, which the DFlash format cannot express "
+            f"{type(drafter).__name__} with variants {list(drafter.variants)}: a variant of the DFlash drafter, which the DFlash format cannot express "
             f"({reasons}). Only the core drafter exports; evaluate this one with experiments.evaluate instead")
     if not cfg.qk_norm:
         raise DFlashFormatError(
@@ -348,7 +346,7 @@ def load_dflash(directory: str | Path, target: nn.Module | None) -> DFlashDrafte
     directory = Path(directory)
     if target is None or getattr(target, "config", None) is None:
         raise _refuse(directory, "importing a DFlash checkpoint needs the target model "
-                                 "(DFlashDrafter.from_pretrained(dir, target)): its config does not "
+                                 "(drafters.factory.load(dir, target)): its config does not "
                                  "record the target's architecture")
     raw = json.loads((directory / CONFIG_NAME).read_text())
     config = dflash_drafter_config(raw, target.config, directory)

@@ -121,7 +121,7 @@ class HintStore:
 
     @classmethod
     def from_data(cls, data, num_folds: int = 4, indices: Sequence[int] | None = None) -> HintStore:
-        """The store of a regenerated dataset's rows (``drafters.data.load_regenerated``), or of ``indices`` only."""
+        """The store of a regenerated dataset's rows (``drafters.training.datamodule.load_regenerated``), or of ``indices`` only."""
         ids, prompt_lens = (data.data.column(c).to_pylist() for c in ("input_ids", "prompt_len"))
         return cls([(ids[i], prompt_lens[i]) for i in (range(len(ids)) if indices is None else indices)], num_folds)
 

@@ -16,95 +16,176 @@ attention inside a block is bidirectional, and blocks never see each other. Slot
 read from block position k. The target's input embedding and LM head are used frozen and are never
 part of the drafter's state dict.
 
-Training (:meth:`DFlashDrafter.forward_train`) and drafting (:class:`drafters.drafting.DraftingMixin`:
-reset / extend / draft / select_rows) run the same layer (:class:`drafters.layers.DrafterLayer`) over
-the keys/values of :meth:`DFlashDrafter.context_kv`, and the same LM head (:meth:`DFlashDrafter.head`).
+Training (:meth:`DFlashDrafter.forward_train`) and drafting (reset / extend / draft / select_rows, below it)
+run the same layer (:class:`drafters.layers.DrafterLayer`) over the keys/values of
+:meth:`DFlashDrafter.context_kv`, and the same LM head (:meth:`DFlashDrafter.head`).
 
-This class is the DFlash drafter and nothing else: what the DFlash serving format expresses
-(:mod:`drafters.dflash`). Research variants (layerwise context, lookup hints, anchor policies,
-refinement) are mixins in :mod:`drafters.variants` that override a few of its hooks.
+Drafting keeps, per drafter layer, the rotated keys/values of every column appended so far (holes included, masked
+out by the column mask). Context features depend on the columns only, so these never need recomputing: a draft
+step runs the B block slots only. Keys, values and the column mask live in buffers with spare columns:
+:meth:`DFlashDrafter.extend` writes the new columns in place, and a draft writes the block's own keys/values just
+past the cached columns (:class:`drafters.layers.CachedContext`), so that attention reads one view and no step
+copies the cache. How many slots a step verifies, and whether a row copies a lookup hint instead, is decoding
+policy (:class:`drafters.policy.PolicyDrafter`).
+
+Without variants this class is the DFlash drafter: what the DFlash serving format expresses
+(:mod:`drafters.dflash`). Research variants (layerwise context, lookup hints, anchor policies, refinement;
+:mod:`drafters.variants`) are :class:`Variant` objects the drafter holds in ``variants``; each takes over a few
+hooks of the core (the methods marked "hook"). Building, loading and the same-config check: :mod:`drafters.factory`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
-from drafters.attention import build_block_attention_mask
-from drafters.checkpoints import CONFIG_NAME, WEIGHTS_NAME, CheckpointMixin
-from drafters.config import (
-    DrafterConfig,
-    accepts_argument,
-    default_target_layer_ids,
-    target_final_norm_weight,
-    target_fingerprint,
+from drafters.config import FINGERPRINT_KEYS, DrafterConfig, target_fingerprint
+from drafters.layers import (
+    BlockContext,
+    CachedContext,
+    DrafterLayer,
+    RMSNorm,
+    build_block_attention_mask,
+    copy_target_layers,
+    draft_block_mask,
+    rope_cos_sin,
 )
-from drafters.drafting import DraftingMixin
-from drafters.layers import BlockContext, DrafterLayer, RMSNorm, copy_target_layers, rope_cos_sin
+from drafters.shared_cache import same_keys_values
 from verify import hf as verify_hf
+from verify.rejection import sample_tokens, warp_probs
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
 
 
-class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
+@dataclass(frozen=True)
+class Variant:
+    """A research variant: its options (the dataclass fields, its entry under ``variants`` in ``config.json``) and
+    the hooks of :class:`DFlashDrafter` it takes over, as methods taking the drafter first (``context_kv``,
+    ``drafted_slots``, ``slot_ids``, ...: see :meth:`DFlashDrafter.hook`). Subclasses: :mod:`drafters.variants`."""
+
+    name: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()  # the variants it needs beside it
+    export_refusal: ClassVar[str] = ""  # why the DFlash format cannot express it
+    fused_context: ClassVar[bool] = True  # False: no fused context (fuse, fuse_norm) is built
+
+    def check(self, config: DrafterConfig, variants: Mapping[str, Variant]) -> None:
+        """Refuse options that do not fit ``config`` or the other variants (a ValueError naming the field)."""
+
+
+def check_variants(config: DrafterConfig, variants: Mapping[str, Variant]) -> None:
+    """Each variant under its own name, with those it requires, and its options checked."""
+    wrong = [f"{n}: {type(v).__name__}" for n, v in variants.items() if not isinstance(v, Variant) or v.name != n]
+    if wrong:
+        raise ValueError(f"drafter variants must be Variant objects under their names, got {wrong}")
+    missing = [f"{n} needs {r}" for n, v in variants.items() for r in v.requires if r not in variants]
+    if missing:
+        raise ValueError("drafter variants: " + "; ".join(missing))
+    for variant in variants.values():
+        variant.check(config, variants)
+
+
+def saved_config(config: DrafterConfig, variants: Mapping[str, Variant]) -> dict[str, Any]:
+    """A drafter's ``config.json``: the core config's fields and ``variants`` ({name: options})."""
+    return config.to_dict() | {"variants": {n: dataclasses.asdict(v) for n, v in variants.items()}}
+
+
+class Block(NamedTuple):
+    """One block per row at drafting, as the drafter's layers read it (:meth:`DFlashDrafter.block_inputs`)."""
+
+    ids: torch.Tensor  # (B, N) long: anchor, then MASK or a slot input (lookup hint) in each slot
+    cos: torch.Tensor  # (B, N, d) RoPE
+    sin: torch.Tensor  # (B, N, d)
+    columns: int  # cached columns before the block
+    mask: torch.Tensor  # (B, 1, 1 or N, columns + N) bool: the keys each slot sees
+    #: Slot inputs of variants that read them (lookup hints): ``(hints (B, K), ngram (B,), from_store (B,) bool)``
+    #: over all K slots, else None.
+    hints: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def propose(logits: torch.Tensor, temperature: float, top_k, top_p, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts from slot logits (B, W, V): ``(argmax (B, W), None)`` at temperature 0, else ``(tokens drawn from
+    q, q (B, W, V) float32)`` with q the warped distributions. Slots of a block are conditionally independent
+    given the context (one forward pass), so ``tokens[:, k]`` is a draw from ``q[:, k]`` given the drafts before it."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    q = warp_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return sample_tokens(q, generator), q
+
+
+class DFlashDrafter(nn.Module):
     """DFlash-style block drafter; implements the :class:`verify.drafter.Drafter` protocol."""
 
-    #: The variants (:mod:`drafters.variants`) composed into this class, outermost first; () for the core.
-    variant_names: tuple[str, ...] = ()
+    #: The store_hints variant's n-gram store of training answers (:class:`drafters.hints.HintStore`; set by
+    #: training, saved and loaded beside the weights); None for other drafters.
+    hint_store = None
 
-    def __init__(self, config: DrafterConfig, variants: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, config: DrafterConfig, variants: Mapping[str, Variant] | None = None) -> None:
         super().__init__()
         self.config = config
-        #: Options of each composed variant, by name (each variant's options dataclass).
+        #: The composed variants by name, outermost first (:data:`drafters.variants.REGISTRY`'s order).
         self.variants = dict(variants or {})
-        self._build_context()
-        self.layers = nn.ModuleList(self._new_layer() for _ in range(config.num_layers))
+        check_variants(config, self.variants)
+        if all(v.fused_context for v in self.variants.values()):  # DFlash: one fused context for every layer
+            h = config.hidden_size
+            self.fuse = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+            self.fuse_norm = RMSNorm(h, config.rms_norm_eps)
+        new_layer = self.hook("new_layer") or (lambda: DrafterLayer(config))
+        self.layers = nn.ModuleList(new_layer() for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 # std 1/sqrt(fan_in): each layer's output has the scale of its input, so the block
-                # states are not dominated by the constant MASK embedding (see from_target).
+                # states are not dominated by the constant MASK embedding (see drafters.factory.from_target).
                 nn.init.normal_(module.weight, std=module.in_features ** -0.5)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        self._after_init()
+        self.after_init()
         # The frozen target, kept outside the module tree: not in state_dict(), parameters() or .to().
         object.__setattr__(self, "_target", None)
         self._cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._cache_mask: torch.Tensor | None = None
 
-    # ---- hooks a variant overrides ----------------------------------------------------------------
+    # ---- variants ---------------------------------------------------------------------------------
 
-    def _build_context(self) -> None:
-        """DFlash: one fused context for every layer (``fuse``, ``fuse_norm``)."""
-        h = self.config.hidden_size
-        self.fuse = nn.Linear(len(self.config.target_layer_ids) * h, h, bias=False)
-        self.fuse_norm = RMSNorm(h, self.config.rms_norm_eps)
-
-    def _new_layer(self) -> DrafterLayer:
-        return DrafterLayer(self.config)
-
-    def _after_init(self) -> None:
-        """Called at the end of ``__init__`` and after a warm start (from_target)."""
-
-    @classmethod
-    def _default_layer_ids(cls, num_layers: int, num_hidden_layers: int) -> tuple[int, ...]:
-        return default_target_layer_ids(num_hidden_layers)
-
-    def _copy_target_layers(self, target: nn.Module) -> None:
-        """Warm start (``init_layers_from_target``): drafter layer i <- the target's layer i."""
-        copy_target_layers(self, target)
-
-    def _own_mask(self, block_size: int, device) -> torch.Tensor | None:
-        """(B, B) bool: which slots of its own block each slot sees; None: all (DFlash)."""
+    def hook(self, name: str):
+        """The method ``name`` of the outermost variant that has one, bound to this drafter; None: the core's.
+        Hooks: new_layer, after_init, context_kv, layer_sources, drafted_slots, own_mask, shareable_layers
+        (layerwise, anchor); slot_ids, slot_inputs, source_labels (hints); train_logits, block_passes (refine);
+        save_extras, load_extras (every variant that has one: :meth:`save_pretrained`)."""
+        for variant in self.variants.values():
+            method = getattr(variant, name, None)
+            if method is not None:
+                return functools.partial(method, self)
         return None
 
     @property
-    def drafted_slots(self) -> slice:
-        """The block positions whose outputs are the K drafts: 1..B-1 (DFlash)."""
-        return slice(1, None)
+    def variant_names(self) -> tuple[str, ...]:
+        return tuple(self.variants)
+
+    def after_init(self) -> None:
+        """Called at the end of ``__init__`` and after a warm start (from_target): the anchor variant's hook."""
+        if hook := self.hook("after_init"):
+            hook()
+
+    def with_variants(self, variants: Mapping[str, Variant]) -> DFlashDrafter:
+        """This drafter (same weights, hint store, target and mode) with ``variants`` instead of its own: for
+        variants that add no weights (``refine``: passes at decoding time; :func:`drafters.factory.with_variant`)."""
+        drafter = DFlashDrafter(self.config, variants)
+        drafter.load_state_dict(self.state_dict(), strict=True)
+        drafter.hint_store = self.hint_store
+        object.__setattr__(drafter, "_target", self._target)
+        return drafter.to(self.weight_ref).train(self.training)
 
     # ---- protocol attributes ----------------------------------------------------------------------
 
@@ -126,10 +207,15 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
         return self.norm.weight
 
     @property
-    def target(self) -> nn.Module:
-        if self._target is None:
-            raise RuntimeError("no target attached: call drafter.attach_target(target) first")
-        return self._target
+    def drafted_slots(self) -> slice:
+        """The block positions whose outputs are the K drafts: 1..B-1 (DFlash); hook (layerwise, shifted)."""
+        hook = self.hook("drafted_slots")
+        return hook() if hook else slice(1, None)
+
+    def own_mask(self, block_size: int, device) -> torch.Tensor | None:
+        """(B, B) bool: which slots of its own block each slot sees; None: all (DFlash); hook (anchor)."""
+        hook = self.hook("own_mask")
+        return hook(block_size, device) if hook else None
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> DFlashDrafter:
         """Recompute each drafter layer's activations in the backward pass (``torch.utils.checkpoint``)
@@ -138,6 +224,77 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
         for layer in self.layers:
             layer.gradient_checkpointing = bool(enabled)
         return self
+
+    # ---- the target -------------------------------------------------------------------------------
+
+    @property
+    def target(self) -> nn.Module:
+        if self._target is None:
+            raise RuntimeError("no target attached: call drafter.attach_target(target) first")
+        return self._target
+
+    def attach_target(self, target: nn.Module) -> DFlashDrafter:
+        """Use ``target``'s input embedding and LM head (frozen in place); checks it fits the drafter."""
+        tcfg = getattr(target, "config", None)
+        if tcfg is None:
+            raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
+        theirs, ours = target_fingerprint(tcfg), self.config.target_fingerprint
+        diffs = [f"{k}: drafter was built for {ours.get(k)!r}, target has {theirs[k]!r}"
+                 for k in FINGERPRINT_KEYS if ours.get(k) != theirs[k]]
+        if diffs:
+            raise ValueError("target does not match the drafter's target fingerprint: " + "; ".join(diffs))
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError(f"target {type(target).__name__} lacks an input embedding or an LM head")
+        if embed.weight.shape[1] != self.config.hidden_size or head.weight.shape[0] != self.config.vocab_size:
+            raise ValueError(
+                f"target embedding {tuple(embed.weight.shape)} / LM head {tuple(head.weight.shape)} do not "
+                f"fit hidden_size {self.config.hidden_size} and vocab_size {self.config.vocab_size}")
+        self._check_target_outputs(target)
+        embed.requires_grad_(False)
+        head.requires_grad_(False)
+        object.__setattr__(self, "_target", target)
+        return self
+
+    def _check_target_outputs(self, target: nn.Module) -> None:
+        """Run the target on one token and check it returns enough hidden states of the right width."""
+        param = next(target.parameters(), None)
+        probe = torch.zeros(1, 1, dtype=torch.long, device=param.device if param is not None else "cpu")
+        with torch.no_grad():
+            out = target(input_ids=probe, output_hidden_states=True, use_cache=False)
+        states = getattr(out, "hidden_states", None)
+        if states is None:
+            raise ValueError(f"target {type(target).__name__} returned no hidden_states for output_hidden_states=True; "
+                             "the drafter needs the target's per-layer hidden states")
+        bad = [i for i in self.config.target_layer_ids if not 0 <= i < len(states)]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for {len(states)} target hidden states")
+        widths = {states[i].shape[-1] for i in self.config.target_layer_ids}
+        if widths != {self.config.hidden_size}:
+            raise ValueError(f"target hidden states have widths {widths}, expected {self.config.hidden_size}")
+
+    def copy_target_layers(self, target: nn.Module) -> None:
+        """Warm start (``init_layers_from_target``): drafter layer i <- the target's layer i, or (hook,
+        layerwise) the target layer whose input it reads."""
+        hook = self.hook("layer_sources")
+        copy_target_layers(self, target, sources=hook() if hook else None)
+
+    # ---- saving -----------------------------------------------------------------------------------
+
+    def saved_config(self) -> dict[str, Any]:
+        """What ``config.json`` holds: :func:`saved_config`."""
+        return saved_config(self.config, self.variants)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``model.safetensors`` (drafter weights only), ``config.json`` and any variant's files."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME))
+        (directory / CONFIG_NAME).write_text(json.dumps(self.saved_config(), indent=2) + "\n")
+        for variant in self.variants.values():
+            if hasattr(variant, "save_extras"):
+                variant.save_extras(self, directory)
 
     # ---- the forward shared by training and drafting ----------------------------------------------
 
@@ -150,11 +307,13 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
     def context_kv(self, states: Sequence[torch.Tensor] | torch.Tensor, positions: torch.Tensor):
         """Per-layer rotated keys/values, num_layers x ((Bt, h_kv, S, d), (Bt, h_kv, S, d)), of the
         context columns from their selected target hidden states: L x (Bt, S, H), or their
-        concatenation (Bt, S, L*H) as :mod:`drafters.features` caches it.
+        concatenation (Bt, S, L*H) as :mod:`drafters.training.features` caches it.
 
         ``context = RMSNorm(fuse(concat(states)))`` (Bt, S, H), the same for every layer. It depends only on
         the columns themselves: drafting computes it once per column and caches the keys/values.
         """
+        if hook := self.hook("context_kv"):  # layerwise: each layer reads its own state
+            return hook(states, positions)
         dtype = self.weight_ref.dtype
         if isinstance(states, torch.Tensor):
             self._check_cached_width(states)
@@ -201,7 +360,7 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
         offsets = torch.arange(bs, device=anchor_positions.device)
         positions = (anchor_positions.unsqueeze(-1) + offsets).view(bt, num_blocks * bs)  # (Bt, A*B)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        own = self._own_mask(bs, x.device)
+        own = self.own_mask(bs, x.device)
         for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
             x = layer(x, cos, sin, BlockContext(ctx_k, ctx_v, mask, bs, own), bs)  # (Bt, A*B, H)
         # (Bt, A, K, H): the drafted slots, made contiguous so the head runs as one plain matmul
@@ -209,8 +368,8 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
         return self.head(x, vocab_ids)  # (Bt, A, K, V)
 
     def training_mask(self, anchors, seq: int, context_mask=None, anchor_mask=None) -> torch.Tensor:
-        """(Bt, 1, A*B, S + A*B) bool: :func:`build_block_attention_mask` under :meth:`_own_mask`."""
-        own = self._own_mask(self.config.block_size, anchors.device)
+        """(Bt, 1, A*B, S + A*B) bool: :func:`build_block_attention_mask` under :meth:`own_mask`."""
+        own = self.own_mask(self.config.block_size, anchors.device)
         return build_block_attention_mask(anchors, self.config.block_size, seq, context_mask, anchor_mask,
                                           causal_anchor=own is not None)
 
@@ -219,11 +378,15 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
     def slot_ids(self, ids: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor,
                  prompt_len: torch.Tensor | None = None) -> torch.Tensor:
         """Input tokens (Bt, A, K) of block slots 1..K: MASK (DFlash). ids: (Bt, S) long; mask: (Bt, S) bool
-        real tokens; anchors: (Bt, A) long columns; prompt_len: (Bt,) long, for variants that need it."""
+        real tokens; anchors: (Bt, A) long columns; prompt_len: (Bt,) long, for variants that need it. Hook (hints)."""
+        if hook := self.hook("slot_ids"):
+            return hook(ids, mask, anchors, prompt_len)
         return anchors.new_full((*anchors.shape, self.num_draft_tokens), self.config.mask_token_id)
 
     def train_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids=None) -> torch.Tensor:
-        """Teacher-forced logits (Bt, A, K, V) of :meth:`forward_train`: :meth:`block_logits` (one pass)."""
+        """Teacher-forced logits (Bt, A, K, V) of :meth:`forward_train`: :meth:`block_logits` (one pass); hook (refine)."""
+        if hook := self.hook("train_logits"):
+            return hook(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids)
         return self.block_logits(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids)
 
     def select_hidden_states(self, hidden_states: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -295,16 +458,223 @@ class DFlashDrafter(CheckpointMixin, DraftingMixin, nn.Module):
         ok = ok.long().cumprod(-1).bool()  # a hole ends the block's labels
         return labels.masked_fill(~ok, 0), ok
 
+    # ---- drafting: the verify.drafter.Drafter protocol over a per-layer key/value cache ------------
+
+    def reset(self, batch_size: int) -> None:
+        self._columns = 0
+        self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
+        self._target_layers: list | None = None  # the target cache's layers offered by bind_target_cache
+        self._shared = False  # whether _target_layers' buffers are the context keys/values (decided at the first extend)
+        self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.weight_ref.device)
+        self._ids_buffer = torch.zeros(batch_size, 0, dtype=torch.long, device=self.weight_ref.device)
+        self._set_views()
+
+    @property
+    def shares_target_cache(self) -> bool:
+        """Whether the context keys/values are read from the target's KV cache (see :meth:`bind_target_cache`)."""
+        return bool(getattr(self, "_shared", False))
+
+    def bind_target_cache(self, cache) -> None:
+        """Offer the target's KV cache (the verifier, after :meth:`reset` and before the first :meth:`extend`).
+
+        The first ``extend`` computes its last columns' keys/values and compares them with the target's
+        (:func:`drafters.shared_cache.same_keys_values`); if they agree, the drafter reads its context from
+        the target's cache from then on (the verifier crops it to the committed columns and selects its rows
+        before calling :meth:`extend` and :meth:`select_rows`), else it keeps its own as without the offer.
+        """
+        self._require_cache()
+        if self._columns:
+            raise RuntimeError("bind_target_cache comes after reset and before the first extend")
+        # hook (layerwise): the target cache's layers holding this drafter's context keys/values, if they could;
+        # None: the fused DFlash context is never the target's
+        hook = self.hook("shareable_layers")
+        self._target_layers = hook(cache) if hook else None
+
+    def _decide_sharing(self, hidden_states, position_ids) -> None:
+        """At the first extend after :meth:`bind_target_cache`: share the target's cache if its last columns
+        (up to 4) hold this drafter's own keys/values."""
+        if self._target_layers is None or self._shared:
+            return
+        m = min(4, position_ids.shape[1])
+        kv = self.context_kv([h[:, -m:] for h in hidden_states], position_ids[:, -m:])
+        self._shared = same_keys_values(kv, self._target_layers, self._columns + position_ids.shape[1])
+        if not self._shared:
+            self._target_layers = None
+
+    def _kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (keys, values) buffers (B, h_kv, capacity, d): the drafter's own, or the target cache's."""
+        return [layer.buffers for layer in self._target_layers] if self._shared else self._kv_buffers
+
+    def _set_views(self) -> None:
+        cfg, c, kv = self.config, self._columns, self._kv()
+        if kv is None:
+            empty = self.weight_ref.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
+            self._cache_kv = [(empty, empty) for _ in self.layers]
+        else:
+            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in kv]
+        self._cache_mask = self._mask_buffer[:, :c]
+
+    def _reserve(self, columns: int) -> None:
+        """Room for ``columns`` columns in the buffers (they grow by a quarter, at least 64 columns)."""
+        if self._shared:  # the block's scratch keys/values go just past the target's cached columns
+            for layer in self._target_layers:
+                layer.ensure_capacity(columns)
+        capacity = self._mask_buffer.shape[1]
+        # Buffers made under torch.inference_mode cannot be written outside it: copy them then.
+        stale = self._mask_buffer.is_inference() and not torch.is_inference_mode_enabled()
+        if columns <= capacity and not stale:
+            return
+        if columns > capacity:
+            capacity = columns + max(64, columns // 4)
+        cfg, c, w = self.config, self._columns, self.weight_ref
+        rows = self._mask_buffer.shape[0]
+        mask = torch.zeros(rows, capacity, dtype=torch.bool, device=w.device)
+        mask[:, :c] = self._mask_buffer[:, :c]
+        ids = torch.zeros(rows, capacity, dtype=torch.long, device=w.device)
+        ids[:, :c] = self._ids_buffer[:, :c]
+        self._mask_buffer, self._ids_buffer = mask, ids
+        if self._shared:
+            return
+        buffers = []
+        for i in range(len(self.layers)):
+            k = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
+            v = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
+            if self._kv_buffers is not None and c > 0:
+                k[:, :, :c] = self._kv_buffers[i][0][:, :, :c]
+                v[:, :, :c] = self._kv_buffers[i][1][:, :, :c]
+            buffers.append((k, v))
+        self._kv_buffers = buffers
+
+    def _require_cache(self) -> None:
+        if self._cache_kv is None or self._cache_mask is None:
+            raise RuntimeError("drafter cache is empty: call reset(batch_size) before extend/draft")
+
+    def _check_extend(self, attention_mask, hidden_states) -> None:
+        rows, n = attention_mask.shape
+        if rows != self._cache_mask.shape[0]:
+            raise ValueError(f"extend got {rows} rows, the cache holds {self._cache_mask.shape[0]}")
+        if hidden_states is None or len(hidden_states) != len(self.target_layer_ids):
+            got = None if hidden_states is None else len(hidden_states)
+            raise ValueError(f"extend needs {len(self.target_layer_ids)} hidden states (target_layer_ids "
+                             f"{self.target_layer_ids}), got {got}")
+        if any(tuple(s.shape[:2]) != (rows, n) for s in hidden_states):
+            shapes = [tuple(s.shape) for s in hidden_states]
+            raise ValueError(f"hidden states {shapes} do not match the new columns {(rows, n)}")
+
+    @torch.no_grad()
+    def extend(self, input_ids, attention_mask, position_ids, hidden_states) -> None:
+        """Append n columns: input_ids/attention_mask/position_ids (B, n); hidden_states L x (B, n, H)."""
+        self._require_cache()
+        self._check_extend(attention_mask, hidden_states)
+        rows, n = attention_mask.shape
+        if n == 0:
+            return
+        self._decide_sharing(hidden_states, position_ids)
+        c = self._columns
+        self._reserve(c + n + self.config.block_size)  # room for the next draft's block too
+        if self._shared:  # the target has cached these columns' keys/values: check it holds exactly them
+            if any(layer.keys.shape[-2] != c + n or layer.keys.shape[0] != rows for layer in self._target_layers):
+                raise RuntimeError(f"the shared target cache holds {tuple(self._target_layers[0].keys.shape)} "
+                                   f"(B, h_kv, columns, d), expected {rows} rows and {c + n} columns")
+        else:
+            for (k_buffer, v_buffer), (k, v) in zip(self._kv_buffers, self.context_kv(hidden_states, position_ids)):
+                k_buffer[:, :, c : c + n] = k
+                v_buffer[:, :, c : c + n] = v
+        self._mask_buffer[:, c : c + n] = attention_mask.bool()
+        self._ids_buffer[:, c : c + n] = input_ids
+        self._columns = c + n
+        self._set_views()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._require_cache()
+        if self._shared and self._target_layers[0].keys.shape[0] != rows.shape[0]:
+            raise RuntimeError("select the shared target cache's rows (batch_select_indices) before the drafter's")
+        if self._kv_buffers is not None:
+            self._kv_buffers = [(k[rows], v[rows]) for k, v in self._kv_buffers]
+        self._mask_buffer, self._ids_buffer = self._mask_buffer[rows], self._ids_buffer[rows]
+        self._set_views()
+
+    # ---- one block per row ------------------------------------------------------------------------
+
+    def block_inputs(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor,
+                     width: int | None = None) -> Block:
+        """The :class:`Block` of one block per row after every cached column: anchor_ids, anchor_position_ids
+        (B,) long; cut to the columns that draft slots 1..``width`` (default K: the whole block)."""
+        self._require_cache()
+        cfg = self.config
+        rows, c = self._mask_buffer.shape[0], self._columns
+        bs = cfg.block_size if width is None else width + 1
+        self._reserve(c + bs)
+        self._mask_buffer[:, c : c + bs] = True  # block slots: past the cached columns, see each other
+        mask = draft_block_mask(self._mask_buffer[:, : c + bs], self.own_mask(bs, self._mask_buffer.device))
+        ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, N) [anchor, MASK x (N - 1)]
+        ids[:, 0] = anchor_ids.reshape(rows)
+        # hook (hints): fill slots 1.. of ids in place and return the Block.hints (DFlash: MASK, None)
+        hints = hook(ids, c) if (hook := self.hook("slot_inputs")) else None
+        positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, N)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.weight_ref.dtype)
+        return Block(ids, cos, sin, c, mask, hints)
+
+    def block_states(self, block: Block, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """States (b, K', H) of the drafted slots of ``block`` (the LM head's input) for ``rows`` (b,) long,
+        default every row. Other rows' cached columns are copied, not computed on."""
+        ids, cos, sin, columns, mask, _ = block
+        kv = self._kv()
+        if rows is not None:  # the block's own keys/values are scratch: writing them into a copy is fine
+            end = columns + ids.shape[1]
+            ids, cos, sin, mask = ids[rows], cos[rows], sin[rows], mask[rows]
+            kv = [(k[rows, :, :end], v[rows, :, :end]) for k, v in kv]
+        return self.block_passes(ids, cos, sin, columns, mask, kv)
+
+    def block_passes(self, ids, cos, sin, columns: int, mask, kv) -> torch.Tensor:
+        """The passes over the block that give its drafted states: one :meth:`block_pass` (DFlash); hook (refine)."""
+        if hook := self.hook("block_passes"):
+            return hook(ids, cos, sin, columns, mask, kv)
+        return self.block_pass(ids, cos, sin, columns, mask, kv)
+
+    def block_pass(self, ids, cos, sin, columns: int, mask, kv) -> torch.Tensor:
+        """One pass of the drafter's layers over the block tokens ids (B, N) after ``columns`` cached columns
+        of ``kv`` (per layer (keys, values) buffers); normalised states (B, K', H) of the drafted slots. Writes
+        the block's keys/values past the cached columns."""
+        x = self.target.get_input_embeddings()(ids).to(self.weight_ref.dtype)  # (B, N, H)
+        last, n = len(self.layers) - 1, ids.shape[1]
+        for i, (layer, (k_buffer, v_buffer)) in enumerate(zip(self.layers, kv)):
+            x = layer(x, cos, sin, CachedContext(k_buffer, v_buffer, columns, mask), n,
+                      keep=self.drafted_slots if i == last else None)
+        return self.norm(x)  # (B, K', H): the last layer kept the drafted slots only
+
+    @torch.no_grad()
+    def draft_logits(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, K, V) of one block per row, seeing every committed cached column: the same computation
+        as :meth:`block_logits` with one block per row after every cached column."""
+        return self.head(self.block_states(self.block_inputs(anchor_ids, anchor_position_ids)))
+
+    @torch.no_grad()
+    def draft(self, anchor_ids: torch.Tensor, anchor_position_ids: torch.Tensor, *, temperature: float = 0.0,
+              top_k: int | None = None, top_p: float | None = None,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, K) and, when sampling, q (B, K, V) float32: every slot of every row (:func:`propose`)."""
+        block = self.block_inputs(anchor_ids, anchor_position_ids)
+        self._sources = self.source_labels(block, None)
+        return propose(self.head(self.block_states(block)), temperature, top_k, top_p, generator)
+
+    def source_labels(self, block: Block, copied: torch.Tensor | None) -> list[str] | None:
+        """Per row of ``block``, what drafts it, given the rows that copy a slot input (``copied`` (B,) bool or
+        None); None: unlabelled (DFlash: the drafter drafts every row); hook (hints)."""
+        hook = self.hook("source_labels")
+        return hook(block, copied) if hook else None
+
+    def draft_sources(self) -> list[str] | None:
+        """What drafted each row of the last :meth:`draft` (the drafter protocol's optional labels, recorded by
+        the verifier beside the accepted counts)."""
+        return getattr(self, "_sources", None)
+
     def extra_repr(self) -> str:
         c = self.config
-        variants = f", variants={list(self.variant_names)}" if self.variant_names else ""
+        variants = f", variants={list(self.variants)}" if self.variant_names else ""
         return (f"block_size={c.block_size}, target_layer_ids={c.target_layer_ids}, "
                 f"mask_token_id={c.mask_token_id}{variants}, params={sum(p.numel() for p in self.parameters()):,}")
 
 
-#: The name the rest of the toolkit (and saved Hydra configs: ``drafters.BlockDiffusionDrafter.from_target``)
-#: use for the drafter; the core class, whose ``from_target`` / ``from_pretrained`` compose variants by name.
-BlockDiffusionDrafter = DFlashDrafter
-
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "BlockDiffusionDrafter", "DFlashDrafter", "DrafterConfig",
-           "accepts_argument", "default_target_layer_ids", "target_final_norm_weight", "target_fingerprint"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "Block", "DFlashDrafter", "DrafterConfig", "Variant", "check_variants",
+           "propose", "saved_config"]

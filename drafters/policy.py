@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafters.drafting import Block, propose
+from drafters.model import Block, propose
 from verify.rejection import sample_tokens, warp_probs
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.blocks import run_target, slot_positions
+from drafters.training.blocks import run_target, slot_positions
 
 
 @torch.no_grad()
@@ -120,7 +120,7 @@ def batch_tau_counts(drafter, hidden_states, target_logits, batch: dict[str, tor
 
 @torch.no_grad()
 def teacher_forced_tau(drafter, target, batch: dict[str, torch.Tensor], chunk: int = 64) -> dict:
-    """Teacher-forced τ of a right-padded batch (see :func:`drafters.data.collate`).
+    """Teacher-forced τ of a right-padded batch (see :func:`drafters.training.datamodule.collate`).
 
     Returns ``accepted_counts`` (per row, per step), ``tau_greedy`` (pooled kept tokens / steps) and
     ``tau_soft`` (mean over response anchors of the expected accepted length at temperature 1).

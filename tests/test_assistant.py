@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_train import run_main, save_target
 
-from drafters.data import write_meta, write_shard
+from drafters.training.datamodule import write_meta, write_shard
 from experiments import train_assistant
 from experiments.pipeline import assistant as asst
 from verify import AssistantDrafter, speculative_generate, target_generate
@@ -110,8 +110,8 @@ def test_response_labels_and_leading_correct():
 
 def test_replayed_tau_is_the_online_tau(env):
     """On the target's greedy answers, val/tau_greedy equals speculative_generate's τ at T=0, row by row."""
-    from drafters.data import collate
     from drafters.tau import greedy_walk
+    from drafters.training.datamodule import collate
 
     target = env["target"]
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.attention import block_mask_subset, build_block_attention_mask, own_block_mask
+from drafters.layers import block_mask_subset, build_block_attention_mask, own_block_mask
 
 
 def brute_force_mask(anchors, block_size, context_len, context_valid, anchor_valid, causal_anchor=False):

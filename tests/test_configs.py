@@ -256,7 +256,7 @@ def test_the_main_jobs_drafters_are_core_dflash_drafters():
     main = _compose("main")
     trained = _compose("train", [f"experiment={main.experiment}"])
     drafter = trained.drafter
-    assert drafter._target_ == "drafters.BlockDiffusionDrafter.from_target" and drafter.num_layers <= 2
+    assert drafter._target_ == "drafters.factory.from_target" and drafter.num_layers <= 2
     assert not any(drafter.get(k) for k in ("lookup_hints", "store_hints", "causal_anchor", "frozen_anchor",
                                             "refine_passes", "init_from"))
     assert trained.data.backend._target_.endswith("RecordedBackend") and trained.module.train_vocab_size == 8192
@@ -342,7 +342,7 @@ def test_every_drafter_variant_config_composes_over_the_core_by_name(variant):
     assert _compose("train", ["drafter.block_size=4"]).drafter.variants == {}  # the core names none
     drafter = _built(cfg)
     assert set(drafter.variant_names) == VARIANT_NAMES[variant]
-    assert all(isinstance(drafter, REGISTRY[n]) for n in VARIANT_NAMES[variant])
+    assert all(isinstance(drafter.variants[n], REGISTRY[n]) for n in VARIANT_NAMES[variant])
     assert drafter.config.block_size == 4 and drafter.config.num_layers == 1
 
 
@@ -360,15 +360,12 @@ def test_variant_configs_compose_as_a_list_with_their_options_and_over_an_experi
     assert store.drafter.num_layers == 2 and store.drafter.init_layers_from_target
 
 
-def test_the_flat_switches_of_older_configs_still_build_their_variants():
-    """A config that spells a variant as an older flat switch (``lookup_hints``, ``causal_anchor``, ...) builds
-    the drafter that the variant configs build."""
-    flat = _compose("train", ["drafter=layerwise", "+drafter.lookup_hints=true", "+drafter.causal_anchor=true",
-                              "drafter.block_size=4"])
-    named = _compose("train", ["drafter=layerwise", "+drafter/variant=[hints,causal_anchor]", "drafter.block_size=4"])
-    a, b = _built(flat), _built(named)
-    assert a.variant_names == b.variant_names == ("hints", "anchor", "layerwise")
-    assert a.saved_config() == b.saved_config()
+def test_the_flat_switches_of_older_configs_are_refused_naming_the_variant():
+    """One spelling: a config that spells a variant as an older flat switch (``lookup_hints``, ...) is refused,
+    naming the variant to use (saved configs with them are read by drafters.factory.upgrade_saved_config)."""
+    flat = _compose("train", ["drafter=layerwise", "+drafter.lookup_hints=true", "drafter.block_size=4"])
+    with pytest.raises(ValueError, match=r"flat switches.*lookup_hints -> variants.hints"):
+        _built(flat)
 
 
 def test_bench_drafters_are_the_confs():

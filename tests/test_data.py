@@ -1,4 +1,4 @@
-"""drafters.data: anchor sampling, collate, label masks, storage, the id split and the DataModule."""
+"""drafters.training.datamodule: anchor sampling, collate, label masks, storage, the id split and the DataModule."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_target
 from scipy.stats import chisquare
 
-from drafters import BlockDiffusionDrafter
-from drafters.data import (
+from drafters import factory
+from drafters.training.datamodule import (
     EpochShuffle,
     RegenDataModule,
     RegenDataset,
@@ -83,7 +83,7 @@ def test_collate_right_pads():
 
 def test_label_mask_of_sampled_blocks():
     target = tiny_target("llama", vocab_size=64)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     rows = [{"input_ids": list(range(10, 19)), "prompt_len": 4}, {"input_ids": [20, 21, 22, 23], "prompt_len": 2}]
     batch = collate(rows)
     anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], 8, torch.Generator().manual_seed(1))

@@ -32,8 +32,8 @@ import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
-from drafters.data import RegenDataModule, write_meta, write_shard
 from drafters.model import target_fingerprint
+from drafters.training.datamodule import RegenDataModule, write_meta, write_shard
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LOSSES = sorted(p.stem for p in CONF.glob("loss/*.yaml"))
@@ -75,7 +75,7 @@ def compose_train(root: str, loss: str, trainer: str, *extra: str):
 
 def one_step(root: str, loss: str, trainer: str) -> dict:
     """One optimizer step of ``experiments.train``'s module, data and Trainer config; what it recorded."""
-    from drafters import features
+    from drafters.training import features
     from experiments.pipeline.training import build
 
     cfg = compose_train(root, loss, trainer)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import tiny_target
 from safetensors.torch import load_file, save_file
 
-from drafters import BlockDiffusionDrafter, DrafterConfig
+from drafters import DrafterConfig, factory
 from drafters.dflash import (
     DFlashFormatError,
     dflash_target_layer_ids,
@@ -26,6 +26,7 @@ from drafters.dflash import (
     from_dflash_name,
     to_dflash_name,
 )
+from drafters.model import DFlashDrafter
 from drafters.variants import REGISTRY
 from verify.generate import speculative_generate, target_generate
 
@@ -58,10 +59,10 @@ def llama_target(vocab: int = VOCAB, layers: int = 4, init_range: float = 0.02):
 TARGETS = {"qwen3": qwen3_target, "llama": llama_target}
 
 
-def random_drafter(target, seed: int = 1, **kwargs) -> BlockDiffusionDrafter:
+def random_drafter(target, seed: int = 1, **kwargs) -> DFlashDrafter:
     """A drafter whose every parameter (norm weights, biases included) is random, so each one matters."""
     torch.manual_seed(seed)
-    drafter = BlockDiffusionDrafter.from_target(target, **kwargs)
+    drafter = factory.from_target(target, **kwargs)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             p.copy_(1 + 0.5 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
@@ -122,7 +123,7 @@ def test_import_of_export_reproduces_logits(tmp_path, family):
     target = TARGETS[family]()
     drafter = random_drafter(target, block_size=5, num_layers=2)
     export_dflash(drafter, tmp_path)
-    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path, target)
+    loaded = factory.load(tmp_path, target)
     assert loaded.config == drafter.config
     ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(blockdraft_logits(loaded, target, ids, [2, 9]), blockdraft_logits(drafter, target, ids, [2, 9]))
@@ -149,7 +150,7 @@ def test_reference_checkpoint_imports_with_identical_logits(tmp_path, family):
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     model = load_reference(tmp_path)
-    drafter = BlockDiffusionDrafter.from_pretrained(tmp_path, target)
+    drafter = factory.load(tmp_path, target)
     cfg = drafter.config
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size) == (2, 2, 1, 16, 5)
     assert cfg.target_layer_ids == (1, 4) and cfg.mask_token_id == 5 and cfg.qk_norm and cfg.rope_theta == 20000.0
@@ -166,7 +167,7 @@ def test_default_layer_ids_follow_the_reference():
 
 def test_parameter_names_round_trip():
     target = qwen3_target()
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, attention_bias=True)
+    drafter = factory.from_target(target, num_layers=2, attention_bias=True)
     names = {to_dflash_name(k) for k in drafter.state_dict()}
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
             "layers.0.self_attn.o_proj.bias", "layers.0.input_layernorm.weight",
@@ -182,7 +183,7 @@ def trained_drafter(target, prompts: torch.Tensor, block_size: int = 6, steps: i
     speculative decoding of those prompts accepts blocks of every length 0..K."""
     sequences = target_generate(target, prompts, max_new_tokens=40).sequences
     torch.manual_seed(1)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=block_size)
+    drafter = factory.from_target(target, block_size=block_size)
     with torch.no_grad():
         states = target(sequences, output_hidden_states=True).hidden_states
     anchors = torch.arange(prompts.shape[1] - 1, sequences.shape[1] - 1).expand(sequences.shape[0], -1)
@@ -358,7 +359,7 @@ def test_generate_matches_reference_with_the_token_cap_inside_a_block(generation
 
 def exported(tmp_path, target=None, **kwargs):
     target = target or qwen3_target()
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=2, **kwargs)
+    drafter = factory.from_target(target, block_size=4, num_layers=2, **kwargs)
     export_dflash(drafter, tmp_path)
     return target, json.loads((tmp_path / "config.json").read_text())
 
@@ -395,7 +396,7 @@ def test_import_refuses_what_it_cannot_express(tmp_path, change, message):
     change(config)
     rewrite(tmp_path, config)
     with pytest.raises(DFlashFormatError, match=message):
-        BlockDiffusionDrafter.from_pretrained(tmp_path, target)
+        factory.load(tmp_path, target)
 
 
 @pytest.mark.parametrize("other, message", [
@@ -406,37 +407,37 @@ def test_import_refuses_what_it_cannot_express(tmp_path, change, message):
 def test_import_refuses_a_mismatched_target(tmp_path, other, message):
     exported(tmp_path)
     with pytest.raises(DFlashFormatError, match=message):
-        BlockDiffusionDrafter.from_pretrained(tmp_path, other())
+        factory.load(tmp_path, other())
 
 
 def test_import_refuses_another_target_family_recorded_by_blockdraft(tmp_path):
     exported(tmp_path)  # exported for a qwen3 target; a llama of the same sizes is not the same target
     with pytest.raises(ValueError, match="model_type: drafter was built for 'qwen3', target has 'llama'"):
-        BlockDiffusionDrafter.from_pretrained(tmp_path, llama_target(layers=4))
+        factory.load(tmp_path, llama_target(layers=4))
 
 
 def test_import_needs_the_target_and_matching_weights(tmp_path):
     target, _ = exported(tmp_path)
     with pytest.raises(DFlashFormatError, match="needs the target model"):
-        BlockDiffusionDrafter.from_pretrained(tmp_path)
+        factory.load(tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
     weights["embed_tokens.weight"] = torch.zeros(VOCAB, 32)
     del weights["layers.1.self_attn.k_norm.weight"]
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(DFlashFormatError, match=r"missing \['layers.1.self_attn.k_norm.weight'\], unexpected "
                                                 r"\['embed_tokens.weight'\]"):
-        BlockDiffusionDrafter.from_pretrained(tmp_path, target)
+        factory.load(tmp_path, target)
 
 
 def test_export_refuses_the_embedding_layer_and_legacy_drafters(tmp_path):
     target = qwen3_target()
     with pytest.raises(DFlashFormatError, match=r"target_layer_ids \[0, 2\] include 0 \(the target's embeddings\)"):
-        export_dflash(BlockDiffusionDrafter.from_target(target, target_layer_ids=(0, 2)), tmp_path)
+        export_dflash(factory.from_target(target, target_layer_ids=(0, 2)), tmp_path)
     with pytest.raises(DFlashFormatError, match="qk_norm=False.*expected qk_norm=True"):
-        export_dflash(BlockDiffusionDrafter.from_target(target, qk_norm=False), tmp_path)
+        export_dflash(factory.from_target(target, qk_norm=False), tmp_path)
     for name in REGISTRY:  # every variant, alone (with what it needs), is refused by type, naming it
         variants = {**{r: {} for r in REGISTRY[name].requires}, name: {}}
-        drafter = BlockDiffusionDrafter.from_target(target, num_layers=1, target_layer_ids=(1,), variants=variants)
+        drafter = factory.from_target(target, num_layers=1, target_layer_ids=(1,), variants=variants)
         with pytest.raises(DFlashFormatError, match=rf"a variant of the DFlash drafter.*{name} \("):
             export_dflash(drafter, tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
@@ -445,17 +446,17 @@ def test_export_refuses_the_embedding_layer_and_legacy_drafters(tmp_path):
 def test_export_warns_when_the_drafter_reads_the_final_norm_output(tmp_path):
     target = qwen3_target()  # 4 layers: hidden_states[4] is the final-norm output
     with pytest.warns(UserWarning, match="include 4, the target's last hidden state"):
-        export_dflash(BlockDiffusionDrafter.from_target(target, target_layer_ids=(1, 4)), tmp_path / "a")
+        export_dflash(factory.from_target(target, target_layer_ids=(1, 4)), tmp_path / "a")
     assert "Caveat: this drafter reads the target's last hidden state" in (tmp_path / "a" / "README.md").read_text()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        export_dflash(BlockDiffusionDrafter.from_target(target, target_layer_ids=(1, 3)), tmp_path / "b")
+        export_dflash(factory.from_target(target, target_layer_ids=(1, 3)), tmp_path / "b")
     assert "Caveat" not in (tmp_path / "b" / "README.md").read_text()
 
 
 def test_export_refuses_a_scaled_embedding(tmp_path):
     target = qwen3_target()
-    drafter = BlockDiffusionDrafter.from_target(target)
+    drafter = factory.from_target(target)
     target.get_input_embeddings().embed_scale = 4.0  # Gemma-style: the module multiplies its rows
     with pytest.raises(DFlashFormatError, match="scales its rows by 4.0"):
         export_dflash(drafter, tmp_path)
@@ -466,17 +467,17 @@ def test_export_refuses_a_scaled_embedding(tmp_path):
 
 def test_new_drafters_have_qk_norm_and_old_configs_load_without(tmp_path):
     target = llama_target()
-    new = BlockDiffusionDrafter.from_target(target, block_size=4)
+    new = factory.from_target(target, block_size=4)
     assert new.config.qk_norm and not new.config.attention_bias
     assert new.layers[0].attn.q_norm is not None
-    old = BlockDiffusionDrafter.from_target(target, block_size=4, qk_norm=False)
+    old = factory.from_target(target, block_size=4, qk_norm=False)
     assert old.layers[0].attn.q_norm is None and not any("q_norm" in k for k in old.state_dict())
     old.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for key in ("qk_norm", "attention_bias"):  # a config.json written before these fields existed
         del config[key]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path, target)
+    loaded = factory.load(tmp_path, target)
     assert loaded.config == old.config and not loaded.config.qk_norm
     assert DrafterConfig.from_dict(new.config.to_dict()) == new.config
 
@@ -508,10 +509,10 @@ def test_init_from_a_dflash_checkpoint_and_a_blockdraft_dir(tmp_path):
 
 def test_init_from_refuses_mismatches(tmp_path):
     target = qwen3_target()
-    export_dflash(BlockDiffusionDrafter.from_target(target, block_size=16, num_layers=2), tmp_path)
+    export_dflash(factory.from_target(target, block_size=16, num_layers=2), tmp_path)
     with pytest.raises(ValueError, match="drafter.block_size=8 but the checkpoint has block_size=16"):
-        BlockDiffusionDrafter.from_target(target, block_size=8, num_layers=2, init_from=tmp_path)
+        factory.from_target(target, block_size=8, num_layers=2, init_from=tmp_path)
     with pytest.raises(ValueError, match="drafter.num_heads=2 but the checkpoint has num_heads=4"):
-        BlockDiffusionDrafter.from_target(target, num_layers=2, num_heads=2, init_from=tmp_path)
+        factory.from_target(target, num_layers=2, num_heads=2, init_from=tmp_path)
     with pytest.raises(DFlashFormatError, match="vocab_size=48 but the target has vocab_size=64"):
-        BlockDiffusionDrafter.from_target(qwen3_target(vocab=64), num_layers=2, init_from=tmp_path)
+        factory.from_target(qwen3_target(vocab=64), num_layers=2, init_from=tmp_path)

@@ -1,4 +1,4 @@
-"""BlockDiffusionDrafter: construction from HF targets, training/inference agreement, saving, errors."""
+"""DFlashDrafter: construction from HF targets, training/inference agreement, saving, errors."""
 
 import pytest
 import torch
@@ -16,10 +16,11 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from drafters import BlockDiffusionDrafter, DrafterConfig, DraftingPolicy, PolicyDrafter
+from drafters import DrafterConfig, DraftingPolicy, PolicyDrafter, factory
 from drafters.checks import target_weights_sha1
+from drafters.config import default_target_layer_ids
 from drafters.hints import HintStore
-from drafters.model import default_target_layer_ids
+from drafters.model import DFlashDrafter
 from drafters.variants import REGISTRY
 from verify.generate import speculative_generate
 from verify.rejection import warp_probs
@@ -70,17 +71,17 @@ DESIGNS = {
 STORE_ROWS = [([3, 4, 5, 3, 4, 5, 1, 3, 4, 5], 2), ([4, 4, 5, 3, 5, 5, 3, 4], 2), ([5, 3, 3, 4, 5, 4, 3, 5], 3)]
 
 
-def build_drafter(target, design: str, **kwargs) -> BlockDiffusionDrafter:
+def build_drafter(target, design: str, variants: dict | None = None, **kwargs) -> DFlashDrafter:
     """The drafter of ``DESIGNS[design]``. Layerwise designs read the target's hidden states 0 and 1 (2 layers),
     their layers copied from the target where it has Llama-style layers (not GPT-2); ``deep`` and ``frozen``
     have every target layer. Drafters with refinement or a hint store are in eval mode (so that training's
-    forward does what drafting does)."""
-    variants = DESIGNS[design]
+    forward does what drafting does). ``variants``: more variants than the design's."""
+    variants = {**DESIGNS[design], **(variants or {})}
     if "layerwise" in variants:
         copy = hasattr(getattr(target, "model", None), "layers")
         layers = target.config.num_hidden_layers if "anchor" in variants else 2
         kwargs = {"num_layers": layers, "init_layers_from_target": copy, "qk_norm": not copy, **kwargs}
-    drafter = BlockDiffusionDrafter.from_target(target, variants=variants, **kwargs)
+    drafter = factory.from_target(target, variants=variants, **kwargs)
     if "store_hints" in variants:
         drafter.hint_store = HintStore(STORE_ROWS)
     return drafter.eval() if {"refine", "store_hints"} & set(variants) else drafter
@@ -120,7 +121,7 @@ def test_default_target_layer_ids():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_from_target_reads_sizes(arch):
     target = build_target(arch)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=5, num_layers=2)
+    drafter = factory.from_target(target, block_size=5, num_layers=2)
     cfg = drafter.config
     assert (cfg.hidden_size, cfg.num_heads, cfg.vocab_size, cfg.block_size, cfg.num_layers) == (32, 4, VOCAB, 5, 2)
     assert cfg.num_kv_heads == {"llama": 2, "qwen2": 1, "gpt2": 4}[arch]
@@ -144,8 +145,8 @@ def test_forward_train_shapes(target_and_drafter):
 def test_mask_token_from_target_config():
     target = build_target("llama")
     target.config.mask_token_id = 7
-    assert BlockDiffusionDrafter.from_target(target).config.mask_token_id == 7
-    assert BlockDiffusionDrafter.from_target(target, mask_token_id=3).config.mask_token_id == 3
+    assert factory.from_target(target).config.mask_token_id == 7
+    assert factory.from_target(target, mask_token_id=3).config.mask_token_id == 3
 
 
 def test_hydra_config_builds_drafter():
@@ -153,7 +154,7 @@ def test_hydra_config_builds_drafter():
     assert cfg.block_size == 16 and cfg.num_layers == 1 and cfg.target_layer_ids is None
     cfg.block_size = 4
     drafter = instantiate(cfg)(build_target("gpt2"))
-    assert isinstance(drafter, BlockDiffusionDrafter) and drafter.num_draft_tokens == 3
+    assert isinstance(drafter, DFlashDrafter) and drafter.num_draft_tokens == 3
 
 
 # ---- training and inference agree ---------------------------------------------------------------
@@ -217,7 +218,7 @@ def test_inference_with_holes_and_batching_matches_training(target_and_drafter):
 def test_forward_train_padding_and_invalid_anchors():
     target = build_target("llama")
     torch.manual_seed(4)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids = torch.randint(0, VOCAB, (1, 10))
     states = _run_target(target, ids)
     with torch.no_grad():
@@ -233,7 +234,7 @@ def test_forward_train_padding_and_invalid_anchors():
 
 
 def test_block_labels_brute_force():
-    drafter = BlockDiffusionDrafter.from_target(build_target("llama"), block_size=4)
+    drafter = factory.from_target(build_target("llama"), block_size=4)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (3, 9), generator=g)
     anchors = torch.randint(0, 9, (3, 4), generator=g)
@@ -253,7 +254,7 @@ def test_block_labels_brute_force():
 
 def test_gradients_reach_drafter_only():
     target = build_target("qwen2")
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids = torch.randint(0, VOCAB, (2, 10))
     states = _run_target(target, ids)
     anchors = torch.tensor([[1, 5], [2, 6]])
@@ -272,7 +273,7 @@ def test_gradients_reach_drafter_only():
 def test_draft_greedy_and_sampled():
     target = build_target("gpt2")
     torch.manual_seed(6)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=5)
+    drafter = factory.from_target(target, block_size=5)
     ids = torch.randint(0, VOCAB, (2, 6))
     states = _run_target(target, ids)
     drafter.reset(2)
@@ -321,7 +322,7 @@ def test_save_load_round_trip(tmp_path, target_and_drafter):
     target, drafter = target_and_drafter
     drafter.save_pretrained(tmp_path / "d")
     assert (tmp_path / "d" / "model.safetensors").is_file() and (tmp_path / "d" / "config.json").is_file()
-    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
+    loaded = factory.load(tmp_path / "d", target=target)
     assert loaded.config == drafter.config
     ids = torch.randint(0, VOCAB, (2, 9))
     states = _run_target(target, ids)
@@ -337,22 +338,22 @@ def test_save_load_round_trip(tmp_path, target_and_drafter):
      (lambda: build_target("qwen2"), "model_type")],
 )
 def test_mismatched_target_refused(tmp_path, other, field):
-    drafter = BlockDiffusionDrafter.from_target(build_target("llama"), block_size=4)
+    drafter = factory.from_target(build_target("llama"), block_size=4)
     drafter.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=field):
-        BlockDiffusionDrafter.from_pretrained(tmp_path, target=other())
+        factory.load(tmp_path, target=other())
     with pytest.raises(ValueError, match=field):
         drafter.attach_target(other())
 
 
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        BlockDiffusionDrafter.from_pretrained(tmp_path / "nowhere")
-    drafter = BlockDiffusionDrafter.from_target(build_target("llama"), block_size=4)
+        factory.load(tmp_path / "nowhere")
+    drafter = factory.from_target(build_target("llama"), block_size=4)
     drafter.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        BlockDiffusionDrafter.from_pretrained(tmp_path)
+        factory.load(tmp_path)
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -378,34 +379,34 @@ class NoHiddenStates(nn.Module):
 def test_bad_inputs():
     target = build_target("llama")
     with pytest.raises(ValueError, match="block_size"):
-        BlockDiffusionDrafter.from_target(target, block_size=1)
+        factory.from_target(target, block_size=1)
     for bad in (VOCAB, -1):
         with pytest.raises(ValueError, match="mask_token_id"):
-            BlockDiffusionDrafter.from_target(target, mask_token_id=bad)
+            factory.from_target(target, mask_token_id=bad)
     with pytest.raises(ValueError, match="target_layer_ids"):
-        BlockDiffusionDrafter.from_target(target, target_layer_ids=(1, 4))
+        factory.from_target(target, target_layer_ids=(1, 4))
     with pytest.raises(ValueError, match="hidden_states"):
-        BlockDiffusionDrafter.from_target(NoHiddenStates(target))
+        factory.from_target(NoHiddenStates(target))
     with pytest.raises(ValueError, match="config"):
-        BlockDiffusionDrafter.from_target(nn.Linear(2, 2))
+        factory.from_target(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown drafter overrides"):
-        BlockDiffusionDrafter.from_target(target, hidden_dim=8)
+        factory.from_target(target, hidden_dim=8)
     with pytest.raises(ValueError, match="hidden_size"):
-        BlockDiffusionDrafter.from_target(target, hidden_size=64)
+        factory.from_target(target, hidden_size=64)
 
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids = torch.randint(0, VOCAB, (1, 6))
     with pytest.raises(ValueError, match="output_hidden_states"):
         drafter.forward_train(None, ids, None, torch.tensor([[2]]))
     with pytest.raises(ValueError, match="out of range"):
         drafter.forward_train(_run_target(target, ids)[:2], ids, None, torch.tensor([[2]]))
     with pytest.raises(RuntimeError, match="reset"):
-        BlockDiffusionDrafter(drafter.config).extend(ids, torch.ones_like(ids), ids, None)
+        DFlashDrafter(drafter.config).extend(ids, torch.ones_like(ids), ids, None)
     drafter.reset(1)
     with pytest.raises(ValueError, match="hidden states"):
         drafter.extend(ids, torch.ones_like(ids), ids, None)
     with pytest.raises(RuntimeError, match="attach_target"):
-        BlockDiffusionDrafter(drafter.config).forward_train(_run_target(target, ids), ids, None, torch.tensor([[2]]))
+        DFlashDrafter(drafter.config).forward_train(_run_target(target, ids), ids, None, torch.tensor([[2]]))
     with pytest.raises(ValueError, match="unknown DrafterConfig keys"):
         DrafterConfig.from_dict({**drafter.config.to_dict(), "extra": 1})
 
@@ -491,7 +492,7 @@ def test_a_drafter_with_the_targets_keys_and_values_reads_the_targets_cache(fami
 
 def test_sampled_speculative_decoding_runs_with_q():
     target = tiny_target("llama", vocab_size=64)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids, mask = left_padded_prompts([4, 6], 64, seed=2)
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, temperature=1.0,
                                top_p=0.9, generator=torch.Generator().manual_seed(0))
@@ -504,7 +505,7 @@ def test_copy_target_layers_first_and_last():
     from drafters.layers import copy_target_layers
 
     target = build_target("llama")  # 3 decoder layers
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1, qk_norm=False,
+    drafter = factory.from_target(target, block_size=4, num_layers=1, qk_norm=False,
                                                 init_layers_from_target=True)
     layers = target.model.layers
     assert torch.equal(drafter.layers[0].attn.q_proj.weight, layers[0].self_attn.q_proj.weight)

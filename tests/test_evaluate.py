@@ -1,6 +1,6 @@
 """experiments.evaluate: every results.json field, multi-turn feedback, resume after a kill, the Hydra
 entry point, and clear errors. Tiny random target (byte-level BPE tokenizer, vocab 300) and a
-randomly initialised BlockDiffusionDrafter saved to disk and loaded by path."""
+randomly initialised DFlashDrafter saved to disk and loaded by path."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from conftest import tiny_target
 
 import experiments.evaluate as ev_cli
 import experiments.pipeline.evaluation as ev
-from drafters import DraftingPolicy, PolicyDrafter
-from drafters.model import BlockDiffusionDrafter
+from drafters import DraftingPolicy, PolicyDrafter, factory
 from experiments.data.suites import Prompt
 from experiments.pipeline.records import TIMING_KEYS
 from experiments.pipeline.settings import DecodingSettings
@@ -58,8 +57,8 @@ def assets(tmp_path_factory):
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
     torch.manual_seed(0)
-    BlockDiffusionDrafter.from_target(target, block_size=K + 1).save_pretrained(root / "drafter")
-    BlockDiffusionDrafter.from_target(_target(tok, hidden_size=48), block_size=K + 1).save_pretrained(root / "other")
+    factory.from_target(target, block_size=K + 1).save_pretrained(root / "drafter")
+    factory.from_target(_target(tok, hidden_size=48), block_size=K + 1).save_pretrained(root / "other")
     (root / "code.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in CODE))
     (root / "chat.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in CHAT))
     return root
@@ -71,7 +70,7 @@ def results(assets):
     from experiments.data.target import load_target
 
     target, tok = load_target(str(assets / "target"))
-    drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
+    drafter = factory.load(assets / "drafter", target=target)
     calls, warm_ups = [], []
 
     def spy(target, drafter, input_ids, *, attention_mask, **kwargs):
@@ -159,7 +158,7 @@ def test_errors(results, assets):
     from experiments.data.target import load_target
 
     target, tok = load_target(str(assets / "target"))
-    drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target)
+    drafter = factory.load(assets / "drafter", target=target)
     with pytest.raises(ValueError, match="suite 'code' is empty"):
         ev.evaluate(target, tok, drafter, {"code": []}, DecodingSettings(progress=False))
     with pytest.raises(ValueError, match="no suites"):
@@ -296,7 +295,7 @@ def baseline_runs(assets, tmp_path_factory):
     _target(tok, seed=3).save_pretrained(assets / "assistant")
     runs = tmp_path_factory.mktemp("baselines")
     docs = {}
-    from drafters.data import write_shard
+    from drafters.training.datamodule import write_shard
 
     answers = [tok(t)["input_ids"] for t in ["The answer is 5. Fine, thank you.", "def add(a, b):\n    # ok"]]
     write_shard([{"id": f"r{i}", "domain": "dialogue", "input_ids": [1, 2, *a], "prompt_len": 2}
@@ -405,13 +404,13 @@ def test_block_drafter_confidence_threshold(assets):
 def test_block_drafter_hint_data_dir(assets, tmp_path):
     """drafter.hint_data_dir: a store-hints drafter reads its hints from every answer of another data folder
     (recorded in results.json's config); a drafter without store hints, or a missing folder, is named."""
-    from drafters.data import write_shard
     from drafters.hints import HintStore
+    from drafters.training.datamodule import write_shard
     from experiments.data.target import load_target
     from experiments.pipeline.eval_drafters import block_drafter
 
     target, _ = load_target(str(assets / "target"))
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=K + 1, lookup_hints=True, store_hints=True)
+    drafter = factory.from_target(target, block_size=K + 1, variants={"hints": {}, "store_hints": {}})
     drafter.hint_store = HintStore([([5, 6, 7, 8], 2)])
     drafter.save_pretrained(tmp_path / "store_drafter")
     rows = [([1, 2, 10 + i, 11 + i, 12 + i], 2) for i in range(3)]
@@ -437,7 +436,7 @@ def test_suite_steps_bench_times_every_speculative_step(assets, tmp_path):
     from experiments.data.target import load_target
 
     target, tok = load_target(str(assets / "target"))
-    drafter = BlockDiffusionDrafter.from_pretrained(assets / "drafter", target=target).eval()
+    drafter = factory.load(assets / "drafter", target=target).eval()
     settings = DecodingSettings(temperatures=(0.0,), max_new_tokens=MAX_NEW, batch_size=2, max_prompt_tokens=BUDGET,
                                 num_bootstrap=50, progress=False)
     clock = StepClock()
@@ -567,8 +566,8 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
 
     tok = _tokenizer()
     target = _target(tok)
-    block = BlockDiffusionDrafter.from_target(target, num_layers=2, block_size=K + 1, layerwise_context=True,
-                                              shifted=True, causal_anchor=True, frozen_anchor=True)
+    block = factory.from_target(target, num_layers=2, block_size=K + 1,
+                                variants={"layerwise": {"shifted": True}, "anchor": {"frozen": True}})
     drafter = PolicyDrafter(block, DraftingPolicy(own_draft_tokens=2))
     ms = draft_cost.measure(target, drafter, batch=2, context=12, widths=[1, 0], target_widths=[1, 3], rounds=4)
     assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafters import BlockDiffusionDrafter
+from drafters import factory
 from experiments import export
 from experiments.pipeline.export import export_for_serving
 
@@ -31,7 +31,7 @@ def fake_run(root, target_dir, with_results: bool = True):
     """A training run dir as experiments.train leaves it (only what the card reads)."""
     run_dir = root / "train" / "tiny-dflash-l2r_all-s0"
     target = tiny_qwen3(target_dir)
-    BlockDiffusionDrafter.from_target(target, block_size=8, num_layers=2).save_pretrained(run_dir / "drafter")
+    factory.from_target(target, block_size=8, num_layers=2).save_pretrained(run_dir / "drafter")
     (run_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create({
         "name": "tiny-dflash-l2r_all-s0",
@@ -71,7 +71,7 @@ def test_export_writes_dflash_layout_and_card(tmp_path):
                  f"""--speculative-config '{{"method": "dflash", "model": "{out.resolve()}", "num_speculative_tokens": 7}}'""",
                  f"--speculative-algorithm DFLASH --speculative-draft-model-path {out.resolve()}", "need a GPU"):
         assert text in card, text
-    loaded = BlockDiffusionDrafter.from_pretrained(out, target)  # bf16 weights, loaded back as float32
+    loaded = factory.load(out, target)  # bf16 weights, loaded back as float32
     assert loaded.config.block_size == 8 and loaded.fuse.weight.dtype == torch.float32
 
 

@@ -7,7 +7,7 @@ import torch
 from conftest import left_padded_prompts, sampled_continuations_pvalue, tiny_target
 from transformers.cache_utils import DynamicLayer
 
-from drafters import BlockDiffusionDrafter, DraftingPolicy, PolicyDrafter
+from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.policy import confident_width
 from experiments.bench.profiling import Variant, profile_decode, summarize_steps
 from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy
@@ -121,7 +121,7 @@ def test_greedy_identity_with_post_processed_logits(lazy_head):
 
     target = BiasedLlama(64)
     torch.manual_seed(7)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
     ref = hf_greedy(target, ids, mask, 20)
     attention_mask = generate_module._check_inputs(target, ids, mask, 20, 64)
@@ -159,7 +159,7 @@ def _prefill(target, drafter, ids, mask):
 def test_drafter_select_rows_and_buffer_growth():
     target = tiny_target("llama", vocab_size=64, seed=1)
     torch.manual_seed(3)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=5)
+    drafter = factory.from_target(target, block_size=5)
     ids, mask = left_padded_prompts([9, 4, 7], 64, seed=3)
     anchors = torch.tensor([5, 6, 7])
     _prefill(target, drafter, ids, mask)
@@ -183,7 +183,7 @@ def test_drafter_select_rows_and_buffer_growth():
 def test_drafter_reused_outside_inference_mode():
     """Buffers made inside speculative_generate (inference mode) are replaced, not written, outside it."""
     target = tiny_target("llama", vocab_size=64, seed=1)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids, mask = left_padded_prompts([5], 64, seed=5)
     speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=3)
     with torch.no_grad():
@@ -199,7 +199,7 @@ def test_drafter_reused_outside_inference_mode():
 def test_confident_logits_equal_truncated_full_logits(threshold, expected_width):
     target = tiny_target("llama", vocab_size=64, seed=1, init_range=0.6)
     torch.manual_seed(2)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=12)
+    drafter = factory.from_target(target, block_size=12)
     ids, mask = left_padded_prompts([9, 4, 7, 6], 64, seed=6)
     pos = _prefill(target, drafter, ids, mask)
     anchors = torch.tensor([5, 6, 7, 8])
@@ -221,7 +221,7 @@ def test_confident_logits_equal_truncated_full_logits(threshold, expected_width)
 def test_truncated_drafts_keep_greedy_identity(family, threshold):
     target = tiny_target(family, vocab_size=64, seed=1)
     torch.manual_seed(7)
-    drafter = PolicyDrafter(BlockDiffusionDrafter.from_target(target, block_size=6),
+    drafter = PolicyDrafter(factory.from_target(target, block_size=6),
                             DraftingPolicy(confidence_threshold=min(threshold, 0.999)))
     ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=2)
@@ -237,7 +237,7 @@ def test_max_draft_tokens_drafts_the_first_slots_and_keeps_greedy_identity(width
     accepts more than W, and the output is still the target's greedy output."""
     target = tiny_target("llama", vocab_size=64, seed=1)
     torch.manual_seed(7)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=8)
+    drafter = factory.from_target(target, block_size=8)
     ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
     pos = _prefill(target, drafter, ids, mask)
     anchors = torch.tensor([5, 6, 7])
@@ -257,7 +257,7 @@ def test_max_draft_tokens_drafts_the_first_slots_and_keeps_greedy_identity(width
 @pytest.mark.parametrize("width", [0, 8])
 def test_max_draft_tokens_out_of_range_is_refused(width):
     target = tiny_target("llama", vocab_size=64, seed=1)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=8)  # K = 7
+    drafter = factory.from_target(target, block_size=8)  # K = 7
     with pytest.raises(ValueError, match=rf"max_draft_tokens={width}: must be in 1..7"):
         PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=width))
 
@@ -310,7 +310,7 @@ def test_truncated_sampled_drafts_keep_the_target_distribution():
 
 def test_profile_decode_partitions_each_step():
     target = tiny_target("llama", vocab_size=64, seed=1)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids, mask = left_padded_prompts([6, 9], 64, seed=1)
     wall, cpu = profile_decode(target, Variant(drafter), ids, mask, max_new_tokens=12, skip=1)
     assert len(wall) == len(cpu) > 0

@@ -1,4 +1,4 @@
-"""drafters.features: the cached target features equal the target's hidden states, resume after a
+"""drafters.training.features: the cached target features equal the target's hidden states, resume after a
 kill, refuse other settings, and a training step on them equals one that runs the target; the cached final
 states rebuild the target's logits, so soft labels need no target forward either."""
 
@@ -12,13 +12,12 @@ import torch
 from conftest import tiny_target
 from test_module import make_module
 
-from drafters.blocks import select_blocks
-from drafters.data import RegenDataModule, collate, write_meta, write_shard
-from drafters.features import (
+from drafters.training.blocks import select_blocks
+from drafters.training.datamodule import RegenDataModule, collate, ensure_features, write_meta, write_shard
+from drafters.training.features import (
     HEAD,
     FeatureStore,
     compute_features,
-    ensure_features,
     features_dir,
     features_key,
 )

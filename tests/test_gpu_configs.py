@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from test_train import offline_env, run_main, save_target
 
-from drafters import BlockDiffusionDrafter
+from drafters import factory
 from experiments import train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -48,7 +48,7 @@ def test_gpu_experiment_trains_three_steps_on_cpu(tmp_path, experiment, save):
     assert saved.data.features.enabled is False  # the GPU experiments run the target every step
     from experiments.data.target import load_target
 
-    drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=load_target(str(target))[0])
+    drafter = factory.load(run_dir / "drafter", target=load_target(str(target))[0])
     assert drafter.config.block_size == 16 and drafter.config.num_layers == 5
 
 
@@ -59,7 +59,7 @@ def test_gradient_checkpointing_keeps_the_gradients():
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=2,
+        drafter = factory.from_target(target, block_size=4, num_layers=2,
                                                     gradient_checkpointing=checkpointing)
         assert all(layer.gradient_checkpointing is checkpointing for layer in drafter.layers)
         ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -5,7 +5,7 @@ import torch
 from conftest import left_padded_prompts, sampled_continuations_pvalue, tiny_target
 from test_drafter_model import _run_target, build_drafter, build_target
 
-from drafters import DraftingPolicy, PolicyDrafter
+from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.dflash import DFlashFormatError, export_dflash
 from drafters.hints import compact_rows, lookup_hints
 from verify import speculative_generate
@@ -73,7 +73,7 @@ def test_hinted_drafter_reads_the_loop_and_differs_from_mask():
     pos = torch.arange(13).view(1, 13)
     with torch.no_grad():
         hinted = drafter.forward_train(states, ids, pos, torch.tensor([[12]]))
-        masked = drafter.without_variant("hints").forward_train(states, ids, pos, torch.tensor([[12]]))
+        masked = factory.without_variant(drafter, "hints").forward_train(states, ids, pos, torch.tensor([[12]]))
     assert not torch.allclose(hinted, masked, atol=1e-3)
 
 
@@ -197,12 +197,11 @@ def test_inference_hints_build_no_store(monkeypatch):
 def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path):
     """store_hints: a slot whose prompt-lookup hint rests on >= 2 tokens keeps it; one on 1 token or none reads
     the store's continuation; the store is saved and loaded with the drafter; training needs prompt_len."""
-    from drafters import BlockDiffusionDrafter
     from drafters.hints import HintStore
 
     target = build_target("llama")
     torch.manual_seed(1)
-    drafter = build_drafter(target, "hinted", block_size=5, store_hints=True).eval()
+    drafter = build_drafter(target, "hinted", block_size=5, variants={"store_hints": {}}).eval()
     drafter.hint_store = HintStore([([7, 8, 9, 20, 21, 22, 23, 24], 3), ([7, 8, 6, 30, 31, 32, 33, 34], 3)])
     ones = lambda ids: torch.ones_like(ids, dtype=torch.bool)
     two = torch.tensor([[10, 11, 12, 13, 20, 10, 11]])  # "10 11" recurs: prompt lookup's 12 13 20 10 stays
@@ -214,7 +213,7 @@ def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path
     for ids, want in zip([two, one, none, unknown], expected):
         assert drafter.slot_ids(ids, ones(ids), torch.tensor([[ids.shape[1] - 1]])).tolist() == [[want]]
     drafter.save_pretrained(tmp_path / "d")
-    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
+    loaded = factory.load(tmp_path / "d", target=target)
     assert loaded.hint_store.rows == drafter.hint_store.rows and "store_hints" in loaded.variant_names
     assert loaded.slot_ids(one, ones(one), torch.tensor([[7]])).tolist() == [[expected[1]]]
     states = _run_target(target, one)
@@ -223,7 +222,7 @@ def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path
         drafter.forward_train(states, one, None, torch.tensor([[7]]))
     (tmp_path / "d" / "hint_store.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="hint_store.safetensors"):
-        BlockDiffusionDrafter.from_pretrained(tmp_path / "d")
+        factory.load(tmp_path / "d")
 
 
 def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
@@ -236,7 +235,7 @@ def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
     prompts, mask = left_padded_prompts([6, 9], 64, seed=5)
     ref = target.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
     answer = ref[1, prompts.shape[1]:].tolist()  # row 1's greedy answer (its prompt is unpadded)
-    drafter = build_drafter(target, "hinted", block_size=5, store_hints=True)
+    drafter = build_drafter(target, "hinted", block_size=5, variants={"store_hints": {}})
     drafter.hint_store = HintStore([(prompts[1].tolist() + answer, prompts.shape[1]), ([3, 4, 5, 6], 2)])
     copying = PolicyDrafter(drafter.eval(), DraftingPolicy(follow_hint_after=0, follow_hint_min_ngram=2))
     out = speculative_generate(target, copying, prompts, attention_mask=mask, max_new_tokens=16)
@@ -256,7 +255,7 @@ def test_store_hints_keep_the_target_distribution():
 
     target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
     torch.manual_seed(3)
-    drafter = build_drafter(target, "hinted", block_size=4, store_hints=True)
+    drafter = build_drafter(target, "hinted", block_size=4, variants={"store_hints": {}})
     drafter.hint_store = HintStore([([1, 2, 5, 3, 6, 2, 4, 7, 1, 6], 2), ([4, 4, 3, 6, 5, 0, 2], 2)])
     copying = PolicyDrafter(drafter.eval(), DraftingPolicy(follow_hint_after=0, follow_hint_min_ngram=2))
     pvalue, accepted = sampled_continuations_pvalue(target, copying, [7, 5, 3, 6], 3, 60, 40)

@@ -1,4 +1,4 @@
-"""drafters.module: training raises τ, teacher-forced τ = online τ, resume, DDP, checkpoints, errors."""
+"""drafters.training.module: training raises τ, teacher-forced τ = online τ, resume, DDP, checkpoints, errors."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from conftest import left_padded_prompts, tiny_target
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from drafters import BlockDiffusionDrafter
-from drafters.data import RegenDataModule, collate, write_meta, write_shard
-from drafters.module import DrafterLightningModule
-from drafters.optim import warmup_cosine
+from drafters import factory
 from drafters.tau import greedy_walk, teacher_forced_tau
+from drafters.training.datamodule import RegenDataModule, collate, write_meta, write_shard
+from drafters.training.module import DrafterLightningModule
+from drafters.training.optim import warmup_cosine
 from losses import AcceptanceAlignedLoss
 from verify import speculative_generate, target_generate
 
@@ -37,7 +37,7 @@ def rows_of(input_ids, attention_mask, new_tokens, prefix="r"):
 
 def make_module(target, loss=None, lr=3e-3, max_steps=40, num_anchors=16, seed=0):
     torch.manual_seed(seed)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     return DrafterLightningModule(
         drafter, target, loss or AcceptanceAlignedLoss(),
         optimizer=functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.0),
@@ -251,12 +251,12 @@ class NoHiddenStates(torch.nn.Module):
 def test_bad_targets_and_drafters_are_refused():
     target = make_target()
     with pytest.raises(ValueError, match="hidden_states"):
-        BlockDiffusionDrafter.from_target(NoHiddenStates(target), block_size=4)
+        factory.from_target(NoHiddenStates(target), block_size=4)
     with pytest.raises(ValueError, match="block_size"):
-        BlockDiffusionDrafter.from_target(target, block_size=1)
+        factory.from_target(target, block_size=1)
     with pytest.raises(ValueError, match="mask_token_id"):
-        BlockDiffusionDrafter.from_target(target, block_size=4, mask_token_id=VOCAB)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+        factory.from_target(target, block_size=4, mask_token_id=VOCAB)
+    drafter = factory.from_target(target, block_size=4)
     with pytest.raises(ValueError, match="different target"):
         DrafterLightningModule(drafter, make_target(), AcceptanceAlignedLoss(), torch.optim.AdamW)
     with pytest.raises(ValueError, match="num_anchors"):

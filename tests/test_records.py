@@ -20,9 +20,9 @@ from test_export import run_main as run_export
 from test_run_safety import start_holder
 from test_train import offline_env, run_main, save_target
 
-from drafters import BlockDiffusionDrafter, locks
+from drafters import factory, locks
 from drafters.checks import ConfigTypeError, TargetMismatchError, target_weights_sha1
-from drafters.config import check_same_config
+from drafters.factory import check_same_config
 from experiments import evaluate, regenerate, train
 from experiments.data.target import load_target
 from experiments.pipeline.eval_drafters import block_drafter
@@ -96,9 +96,9 @@ def test_evaluation_refuses_a_sibling_target_naming_both_signatures(env):
 def test_init_from_refuses_a_sibling_target_unless_allowed(env):
     sibling, _ = load_target(str(env["other"]))
     with pytest.raises(TargetMismatchError, match="was trained for another target"):
-        BlockDiffusionDrafter.from_target(sibling, block_size=None, init_from=env["drafter"])
+        factory.from_target(sibling, block_size=None, init_from=env["drafter"])
     with pytest.warns(UserWarning, match="drafter.allow_other_target=true"):
-        drafter = BlockDiffusionDrafter.from_target(sibling, block_size=None, init_from=env["drafter"],
+        drafter = factory.from_target(sibling, block_size=None, init_from=env["drafter"],
                                                     allow_other_target=True)
     # trained from here on for the sibling: its record says so, not the first target
     assert drafter.config.target_fingerprint["weights_sha1"] == target_weights_sha1(sibling)
@@ -107,8 +107,8 @@ def test_init_from_refuses_a_sibling_target_unless_allowed(env):
 def test_resume_refuses_other_weights_and_accepts_a_legacy_checkpoint(env):
     target, _ = load_target(str(env["target"]))
     sibling, _ = load_target(str(env["other"]))
-    saved = BlockDiffusionDrafter.from_target(target, block_size=4).saved_config()
-    current = BlockDiffusionDrafter.from_target(sibling, block_size=4).saved_config()
+    saved = factory.from_target(target, block_size=4).saved_config()
+    current = factory.from_target(sibling, block_size=4).saved_config()
     with pytest.raises(ValueError, match="checkpoint was trained for another target.*weights_sha1"):
         check_same_config(saved, current)
     legacy = {**saved, "target_fingerprint": {k: v for k, v in saved["target_fingerprint"].items()
@@ -125,7 +125,7 @@ def test_a_drafter_saved_before_signatures_loads_with_a_warning(env, tmp_path):
     del raw["target_fingerprint"]["weights_sha1"]
     (old / "config.json").write_text(json.dumps(raw))
     with pytest.warns(UserWarning, match=f"drafter {old} records no signature of its target's weights"):
-        BlockDiffusionDrafter.from_pretrained(old, target)
+        factory.load(old, target)
 
 
 def test_export_refuses_a_card_naming_another_target(tmp_path):
@@ -232,7 +232,7 @@ def test_a_wrongly_typed_drafter_field_is_named(env, tmp_path):
     fingerprint = {**raw["target_fingerprint"], "vocab_size": "300"}
     (bad / "config.json").write_text(json.dumps({**raw, "target_fingerprint": fingerprint}))
     with pytest.raises(ConfigTypeError, match=r"field 'target_fingerprint.vocab_size' is '300' \(str\), expected an integer"):
-        BlockDiffusionDrafter.from_pretrained(bad, target)
+        factory.load(bad, target)
 
 
 def test_a_wrongly_typed_target_or_dflash_field_is_named(env, tmp_path):
@@ -250,12 +250,12 @@ def test_a_wrongly_typed_target_or_dflash_field_is_named(env, tmp_path):
     served = tmp_path / "served"
     from drafters.dflash import export_dflash
 
-    export_dflash(BlockDiffusionDrafter.from_pretrained(env["drafter"], target), served)
+    export_dflash(factory.load(env["drafter"], target), served)
     raw = json.loads((served / "config.json").read_text())
     raw["dflash_config"]["block_size"] = "16"
     (served / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigTypeError, match=r"field 'dflash_config.block_size' is '16' \(str\), expected an integer"):
-        BlockDiffusionDrafter.from_pretrained(served, target)
+        factory.load(served, target)
 
 
 # ----------------------------------------------------------------------------- 4. an unwritable run folder

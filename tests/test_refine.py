@@ -5,8 +5,9 @@ import torch
 from conftest import sampled_continuations_pvalue, tiny_target
 from test_drafter_model import _run_target, build_drafter, build_target
 
-from drafters.attention import build_block_attention_mask
+from drafters import factory
 from drafters.dflash import DFlashFormatError, export_dflash
+from drafters.layers import build_block_attention_mask
 
 
 def _forward(drafter, states, ids, anchors):
@@ -18,12 +19,12 @@ def test_training_self_conditions_odd_blocks_on_a_first_pass():
     (what eval mode does with one refinement), and the gradient reaches the drafter through both."""
     target = build_target("llama")
     torch.manual_seed(5)
-    drafter = build_drafter(target, "hinted", block_size=5, refine_passes=1).train()
+    drafter = build_drafter(target, "hinted", block_size=5, variants={"refine": {"passes": 1}}).train()
     ids = torch.randint(0, 6, (2, 16))
     states = _run_target(target, ids)
     anchors = torch.tensor([[2, 5, 9, 11], [1, 6, 8, 12]])
     with torch.no_grad():
-        plain = _forward(drafter.without_variant("refine"), states, ids, anchors)
+        plain = _forward(factory.without_variant(drafter, "refine"), states, ids, anchors)
         refined = _forward(drafter.eval(), states, ids, anchors)
     assert not torch.allclose(plain, refined, atol=1e-3)  # the refinement pass changes the logits
     trained = _forward(drafter.train(), states, ids, anchors)
@@ -42,8 +43,8 @@ def test_more_passes_draft_from_the_previous_pass():
     states = _run_target(target, ids)
     anchors = torch.tensor([[3, 7]])
     with torch.no_grad():
-        once = _forward(drafter.with_variant("refine", passes=1), states, ids, anchors)
-        twice = _forward(drafter.with_variant("refine", passes=2), states, ids, anchors)
+        once = _forward(factory.with_variant(drafter, "refine", passes=1), states, ids, anchors)
+        twice = _forward(factory.with_variant(drafter, "refine", passes=2), states, ids, anchors)
         pos = torch.arange(12).view(1, 12)
         kv = drafter.context_kv([states[i] for i in drafter.target_layer_ids], pos)
         mask = build_block_attention_mask(anchors, 4, 12, None, None)
@@ -64,13 +65,13 @@ def test_refined_drafter_keeps_the_target_distribution():
 
 def test_refine_passes_validated_and_export_refuses_them(tmp_path):
     target = build_target("qwen2")
-    drafter = build_drafter(target, "dflash", block_size=4, refine_passes=1)
+    drafter = build_drafter(target, "dflash", block_size=4, variants={"refine": {"passes": 1}})
     assert drafter.variant_names == ("refine",) and drafter.variants["refine"].passes == 1
-    with pytest.raises(ValueError, match="refine_passes must be >= 0, got -1"):
-        build_drafter(target, "dflash", block_size=4, refine_passes=-1)
+    with pytest.raises(ValueError, match="refine_passes must be >= 1 with the refine variant.*got -1"):
+        build_drafter(target, "dflash", block_size=4, variants={"refine": {"passes": -1}})
     with pytest.raises(ValueError, match="refine_passes must be >= 1 with the refine variant"):
-        drafter.with_variant("refine", passes=0)
+        factory.with_variant(drafter, "refine", passes=0)
     with pytest.raises(DFlashFormatError, match="DFlash engines run the block once.*without_variant"):
         export_dflash(drafter, tmp_path / "out")
-    export_dflash(drafter.without_variant("refine"), tmp_path / "out")  # its first pass, the same weights
+    export_dflash(factory.without_variant(drafter, "refine"), tmp_path / "out")  # its first pass, the same weights
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from test_train import offline_env, run_main
 
-from drafters import data as regen
+from drafters.training import datamodule as regen
 from experiments import regenerate
 from experiments.data import corpora, sharegpt
 from experiments.data.decontamination import drop_overlapping

@@ -35,7 +35,7 @@ import urllib.request
 import pytest
 from test_train import offline_env, run_main
 
-from drafters import data as regen_data
+from drafters.training import datamodule as regen_data
 from experiments import regenerate
 from experiments.data.target import TINY_TARGET_DIR
 

@@ -9,8 +9,7 @@ import torch
 from test_evaluate import _suites, _target, _tokenizer
 
 import experiments.pipeline.evaluation as ev
-from drafters import DraftingPolicy, PolicyDrafter
-from drafters.model import BlockDiffusionDrafter
+from drafters import DraftingPolicy, PolicyDrafter, factory
 from experiments.pipeline import replay
 from experiments.pipeline.settings import DecodingSettings
 from verify import AssistantDrafter, PromptLookupDrafter
@@ -22,7 +21,7 @@ def setup():
     tok = _tokenizer()
     target = _target(tok).eval()
     torch.manual_seed(0)
-    block = BlockDiffusionDrafter.from_target(target, block_size=5).eval()
+    block = factory.from_target(target, block_size=5).eval()
     drafters = {
         "block": PolicyDrafter(block),
         "block_w2": PolicyDrafter(block, DraftingPolicy(max_draft_tokens=2)),

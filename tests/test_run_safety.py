@@ -18,7 +18,7 @@ import pytest
 from test_train import offline_env, run_main, save_target
 
 from drafters import locks
-from drafters.data import load_regenerated
+from drafters.training.datamodule import load_regenerated
 from experiments import regenerate, train
 
 # A child owning <folder>'s lock: prints "held", runs an optional copy, sleeps, exits (releasing it).

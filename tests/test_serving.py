@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import tiny_target
 
-from drafters import BlockDiffusionDrafter
+from drafters import factory
 from drafters.tau import greedy_walk
 from experiments.serving.check import load_drafter
 from experiments.serving.compare import (
@@ -47,7 +47,7 @@ def test_position_counts_and_summary():
 def test_replay_on_greedy_sequences_equals_blockdraft_online_verifier():
     target = tiny_target("llama", vocab_size=48, num_layers=3, init_range=0.3)
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
+    drafter = factory.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
     prompts = [[5, 9, 11, 20], [7, 8, 30, 31, 12, 40]]
     online = [speculative_generate(target, drafter, torch.tensor([p]), max_new_tokens=20) for p in prompts]
     replay = sequence_acceptance(drafter, target, prompts, [o.new_tokens[0] for o in online])
@@ -115,7 +115,7 @@ def test_environment_without_vllm_is_named(tmp_path, monkeypatch):
 
 def test_drafter_for_another_target_is_refused(tmp_path):
     small = tiny_target("llama", vocab_size=48, num_layers=3)
-    BlockDiffusionDrafter.from_target(small, block_size=4, target_layer_ids=(1,)).save_pretrained(tmp_path / "d")
+    factory.from_target(small, block_size=4, target_layer_ids=(1,)).save_pretrained(tmp_path / "d")
     other = tiny_target("llama", vocab_size=64, num_layers=3)
     with pytest.raises(ServingError, match=r"\[drafter\] drafter.path=.* cannot draft for this target: .*vocab_size"):
         load_drafter(str(tmp_path / "d"), other)
@@ -170,7 +170,7 @@ def test_engines_take_turns_phase_by_phase_with_a_rotating_first(tmp_path):
 
 def test_lookahead_verifies_the_last_step_past_the_cut_as_the_engine_counts_it():
     target = tiny_target("llama", vocab_size=48, num_layers=3, init_range=0.3)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
+    drafter = factory.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
     with torch.no_grad():  # all logits 0 on both sides: greedy token 0 everywhere, every draft accepted
         target.model.norm.weight.zero_()
         drafter.norm.weight.zero_()

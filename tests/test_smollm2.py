@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from drafters import BlockDiffusionDrafter
+from drafters import factory
 from experiments.data import smollm2
 from experiments.data.prompts import encode_messages, left_pad
 from experiments.data.target import load_target
@@ -114,7 +114,7 @@ def test_speculative_decoding_is_greedy_identical_on_smollm2(smollm2_target):
                [{"role": "user", "content": "What is 12 times 7?"}]]
     ids, mask = left_pad([encode_messages(tokenizer, m) for m in prompts], tokenizer.pad_token_id, "cpu")
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=1)
+    drafter = factory.from_target(target, block_size=4, num_layers=1)
     want = target_generate(target, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=2)
     got = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=2)
     assert got.new_tokens == want.new_tokens

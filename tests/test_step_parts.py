@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_target
 
-from drafters import BlockDiffusionDrafter
+from drafters import factory
 from experiments.bench.step_parts import OneProductHead, ScriptedDrafts, load_verify_at
 from verify import speculative_generate, target_generate
 
@@ -13,7 +13,7 @@ from verify import speculative_generate, target_generate
 def test_scripted_drafts_keep_the_asked_number_and_the_old_verifier_agrees():
     target = tiny_target("llama", vocab_size=64, seed=1, init_range=0.6)
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=5)
+    drafter = factory.from_target(target, block_size=5)
     ids = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(2))
     greedy = target_generate(target, ids, max_new_tokens=30).new_tokens[0]
     old = load_verify_at("HEAD")

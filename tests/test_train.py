@@ -14,8 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafters import BlockDiffusionDrafter
-from drafters.data import finished_ids, read_meta, shard_dirs
+from drafters import factory
+from drafters.training.datamodule import finished_ids, read_meta, shard_dirs
 from experiments import regenerate, train
 from experiments.data.decontamination import check_disjoint
 from experiments.data.prompts import as_messages
@@ -142,7 +142,7 @@ def test_train_end_to_end_and_resume(env):
     from experiments.data.target import load_target
 
     target, _ = load_target(str(env["target"]))
-    drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=target)
+    drafter = factory.load(run_dir / "drafter", target=target)
     assert drafter.config.block_size == 4
     rows = read_metrics(run_dir)
     assert any(r["val/tau_greedy"] for r in rows) and any(r["train/loss"] for r in rows)
@@ -231,7 +231,7 @@ def test_hinted_drafter_trains_and_evaluates(env, store_hints):
     from experiments.data.target import load_target
 
     target, _ = load_target(str(env["target"]))
-    drafter = BlockDiffusionDrafter.from_pretrained(run_dir / "drafter", target=target)
+    drafter = factory.load(run_dir / "drafter", target=target)
     cfg, variants = drafter.config, drafter.variants
     assert variants["layerwise"].shifted and (cfg.num_layers, cfg.target_layer_ids) == (2, (0, 1))
     assert variants["hints"].max_ngram == 3

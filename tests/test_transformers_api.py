@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import FAMILIES, left_padded_prompts, tiny_target
 
-from drafters import BlockDiffusionDrafter, DraftingPolicy, PolicyDrafter
+from drafters import DraftingPolicy, PolicyDrafter, factory
 from verify import AssistantDrafter, PromptLookupDrafter, speculative_generate, target_generate
 from verify.hf import HEAD_CHUNK, cache_argument, linear_logits, new_kv_cache
 
@@ -46,7 +46,7 @@ def _deprecations(run) -> list[str]:
 def test_decoding_raises_no_deprecation_warning(family):
     target = tiny_target(family, vocab_size=64, seed=1)
     torch.manual_seed(0)
-    block = BlockDiffusionDrafter.from_target(target, block_size=4)
+    block = factory.from_target(target, block_size=4)
     assistant = AssistantDrafter(tiny_target(family, vocab_size=64, seed=2), 3)
     ids, mask = left_padded_prompts([5, 3], 64, seed=3)
 
@@ -68,9 +68,9 @@ def test_decoding_with_variants_and_a_policy_raises_no_deprecation_warning(famil
     target = tiny_target(family, vocab_size=64, seed=1, num_layers=3)
     torch.manual_seed(0)
     build = {"block_size": 4, "num_layers": 3, "init_layers_from_target": True, "qk_norm": False}
-    hinted = BlockDiffusionDrafter.from_target(target, variants={"layerwise": {"shifted": True}, "hints": {},
+    hinted = factory.from_target(target, variants={"layerwise": {"shifted": True}, "hints": {},
                                                                  "refine": {}}, **build)
-    frozen = BlockDiffusionDrafter.from_target(target, variants={"layerwise": {"shifted": True},
+    frozen = factory.from_target(target, variants={"layerwise": {"shifted": True},
                                                                  "anchor": {"frozen": True}}, **build)
     drafters = [PolicyDrafter(hinted, DraftingPolicy(follow_hint_after=0)), frozen, PromptLookupDrafter(64, 3)]
     ids, mask = left_padded_prompts([5, 3], 64, seed=3)

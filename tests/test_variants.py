@@ -8,8 +8,9 @@ import torch
 from test_drafter_model import VOCAB, build_target
 from torch import nn
 
-from drafters import BlockDiffusionDrafter, DFlashDrafter
-from drafters.variants import REGISTRY, compose
+from drafters import DFlashDrafter, factory
+from drafters.factory import check_same_config
+from drafters.variants import REGISTRY
 
 # ---- the layerwise design -----------------------------------------------------------------------
 
@@ -18,8 +19,8 @@ def test_layerwise_context_starts_as_the_targets_own_keys_and_values():
     """Layers copied from a Llama target, each reading the input of the target layer it copies: the
     context keys/values are the target's own (its KV cache, computed by Hugging Face), layer by layer."""
     target = build_target("llama")  # 3 layers, GQA, RoPE base 50000
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=2, layerwise_context=True,
-                                                shifted=True, init_layers_from_target=True, qk_norm=False,
+    drafter = factory.from_target(target, block_size=4, num_layers=2, variants={"layerwise": {"shifted": True}},
+                                  init_layers_from_target=True, qk_norm=False,
                                                 target_layer_ids=[1, 2])
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -46,8 +47,8 @@ def test_shifted_layerwise_drafter_starts_drafting_the_embedded_targets_next_tok
     target.float()
     agreement = {}
     for shifted in (True, False):
-        drafter = BlockDiffusionDrafter.from_target(target, block_size=16, num_layers=num_layers, shifted=shifted,
-                                                    layerwise_context=True, init_layers_from_target=True,
+        drafter = factory.from_target(target, block_size=16, num_layers=num_layers,
+                                      variants={"layerwise": {"shifted": shifted}}, init_layers_from_target=True,
                                                     qk_norm=False)
         hits = total = 0
         for prompt in ("def add(a, b):\n", "Q: Tom has 3 apples and buys 5 more. How many apples?\nA:",
@@ -71,9 +72,8 @@ def test_untrained_drafter_with_every_target_layer_and_causal_anchor_is_the_targ
     target's own next-token logits at the anchor, in training and at inference; without it the anchor also
     reads the block's MASK slots, which move those logits."""
     target = build_target(arch)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=5, num_layers=3, layerwise_context=True,
-                                                shifted=True, init_layers_from_target=True, qk_norm=False,
-                                                causal_anchor=causal_anchor)
+    drafter = factory.from_target(target, block_size=5, num_layers=3, init_layers_from_target=True, qk_norm=False,
+                                  variants={"layerwise": {"shifted": True}, **({"anchor": {}} if causal_anchor else {})})
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
@@ -93,7 +93,7 @@ def test_untrained_drafter_with_every_target_layer_and_causal_anchor_is_the_targ
 def test_training_a_frozen_anchor_drafter_moves_slots_2_to_K_never_slot_1(arch):
     """``frozen_anchor``: after optimiser steps on every slot, slot 1 is still the target's own next-token logits
     (training forward and inference) while the other slots moved; without the flag the same steps move slot 1."""
-    from drafters.optim import weight_decay_groups
+    from drafters.training.optim import weight_decay_groups
 
     target = build_target(arch)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -104,9 +104,9 @@ def test_training_a_frozen_anchor_drafter_moves_slots_2_to_K_never_slot_1(arch):
     moved = {}
     for frozen in (True, False):
         torch.manual_seed(0)
-        drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=target.config.num_hidden_layers,
-                                                    layerwise_context=True, shifted=True, init_layers_from_target=True,
-                                                    qk_norm=False, causal_anchor=True, frozen_anchor=frozen)
+        drafter = factory.from_target(target, block_size=4, num_layers=target.config.num_hidden_layers,
+                                                    init_layers_from_target=True, qk_norm=False,
+                                      variants={"layerwise": {"shifted": True}, "anchor": {"frozen": frozen}})
         before = drafter.forward_train(out.hidden_states, ids, None, anchors).detach()  # (2, A, K, V)
         optimizer = torch.optim.AdamW(weight_decay_groups(drafter), lr=1e-2, weight_decay=0.1)
         labels = torch.randint(0, VOCAB, before.shape[:-1], generator=torch.Generator().manual_seed(1))
@@ -134,9 +134,9 @@ def test_training_a_frozen_anchor_drafter_moves_slots_2_to_K_never_slot_1(arch):
 def test_frozen_anchor_needs_a_causal_shifted_anchor():
     target = build_target("llama")
     with pytest.raises(ValueError, match="frozen_anchor needs causal_anchor and shifted"):
-        BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True, frozen_anchor=True)
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
-                                                causal_anchor=True, frozen_anchor=True)
+        factory.from_target(target, num_layers=2, variants={"layerwise": {}, "anchor": {"frozen": True}})
+    drafter = factory.from_target(target, num_layers=2,
+                                  variants={"layerwise": {"shifted": True}, "anchor": {"frozen": True}})
     frozen = {n for n, p in drafter.named_parameters() if not p.requires_grad}
     assert {"norm.weight", "layers.1.input_norm.weight", "layers.1.attn.k_proj.weight", "layers.1.attn.v_proj.weight",
             "layers.1.attn.anchor_q_proj.weight", "layers.1.anchor_mlp.down_proj.weight"} <= frozen
@@ -146,8 +146,8 @@ def test_frozen_anchor_needs_a_causal_shifted_anchor():
 def test_layerwise_config_errors():
     target = build_target("llama")
     with pytest.raises(ValueError, match="each of the 2 drafter layers reads one target hidden state"):
-        BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, target_layer_ids=[1, 2, 3])
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True)
+        factory.from_target(target, num_layers=2, variants={"layerwise": {}}, target_layer_ids=[1, 2, 3])
+    drafter = factory.from_target(target, num_layers=2, variants={"layerwise": {"shifted": True}})
     assert drafter.target_layer_ids == (0, 1) and not hasattr(drafter, "fuse")
     assert not any("fuse" in k for k in drafter.state_dict())
 
@@ -155,40 +155,41 @@ def test_layerwise_config_errors():
 # ---- composition, configs, the LM head's vocabulary subset ----------------------------------------
 
 
-def test_variants_compose_by_name_over_the_core():
-    """A set of names gives one class (cached), the core's subclass with the variants' mixins; the core itself
-    for none; unknown names and missing requirements are named."""
-    assert compose([]) is DFlashDrafter and BlockDiffusionDrafter is DFlashDrafter
-    hinted = compose(["hints", "layerwise"])
-    assert hinted is compose({"layerwise": {}, "hints": {}}) and issubclass(hinted, DFlashDrafter)
-    assert hinted.variant_names == ("hints", "layerwise") and all(issubclass(hinted, REGISTRY[n]) for n in ("hints", "layerwise"))
-    with pytest.raises(ValueError, match=r"unknown drafter variants \['dspark'\]"):
-        compose(["dspark"])
-    with pytest.raises(ValueError, match="store_hints needs hints"):
-        compose(["store_hints"])
+def test_variants_are_named_objects_of_the_one_class():
+    """Variants are Variant objects the one drafter class holds, in the registry's order; unknown names, unknown
+    options, missing requirements and the flat switches of older configs are named."""
     target = build_target("llama")
+    drafter = factory.from_target(target, num_layers=2, variants={"layerwise": {}, "hints": {}})
+    assert type(drafter) is DFlashDrafter and drafter.variant_names == ("hints", "layerwise")
+    assert all(isinstance(drafter.variants[n], REGISTRY[n]) for n in ("hints", "layerwise"))
+    with pytest.raises(ValueError, match=r"unknown drafter variants \['dspark'\]"):
+        factory.from_target(target, variants={"dspark": {}})
+    with pytest.raises(ValueError, match="store_hints needs hints"):
+        factory.from_target(target, variants={"store_hints": {}})
     with pytest.raises(ValueError, match=r"variant 'hints': unknown options \['max_gram'\]"):
-        BlockDiffusionDrafter.from_target(target, variants={"hints": {"max_gram": 2}})
+        factory.from_target(target, variants={"hints": {"max_gram": 2}})
     with pytest.raises(ValueError, match="unknown drafter overrides"):
-        BlockDiffusionDrafter.from_target(target, lookup_hint=True)
+        factory.from_target(target, lookup_hint=True)
+    with pytest.raises(ValueError, match=r"flat switches of older configs.*lookup_hints -> variants.hints"):
+        factory.from_target(target, lookup_hints=True)
 
 
 def _legacy_config(drafter) -> dict:
     """The flat config.json an older blockdraft wrote for ``drafter`` (every research switch a field)."""
-    from drafters.variants import flat_settings
+    from experiments.pipeline.eval_drafters import record_settings
 
-    return drafter.config.to_dict() | flat_settings(drafter.variants)
+    return drafter.config.to_dict() | record_settings(drafter.variants)
 
 
-@pytest.mark.parametrize("flat", [{}, {"layerwise_context": True, "shifted": True, "lookup_hints": True},
-                                  {"layerwise_context": True, "shifted": True, "causal_anchor": True,
-                                   "frozen_anchor": True, "refine_passes": 2}])
-def test_old_flat_checkpoints_load_into_their_variants(tmp_path, flat):
+@pytest.mark.parametrize("variants", [{}, {"layerwise": {"shifted": True}, "hints": {}},
+                                      {"layerwise": {"shifted": True}, "anchor": {"frozen": True},
+                                       "refine": {"passes": 2}}])
+def test_old_flat_checkpoints_load_into_their_variants(tmp_path, variants):
     """A drafter folder whose config.json has the old flat fields loads into the variants they name, with the
     same weights and logits; a saved folder round-trips in the new format (``variants``)."""
     target = build_target("llama")
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4, num_layers=2, **flat).eval()
+    drafter = factory.from_target(target, block_size=4, num_layers=2, variants=variants).eval()
     drafter.save_pretrained(tmp_path / "new")
     saved = json.loads((tmp_path / "new" / "config.json").read_text())
     assert set(saved["variants"]) == set(drafter.variant_names) and "layerwise_context" not in saved
@@ -200,48 +201,45 @@ def test_old_flat_checkpoints_load_into_their_variants(tmp_path, flat):
         states = target(ids, output_hidden_states=True).hidden_states
         want = drafter.forward_train(states, ids, None, torch.tensor([[3, 6]]))
         for folder in ("new", "old"):
-            loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / folder, target)
+            loaded = factory.load(tmp_path / folder, target)
             assert type(loaded) is type(drafter) and loaded.variants == drafter.variants
             torch.testing.assert_close(loaded.forward_train(states, ids, None, torch.tensor([[3, 6]])), want)
 
 
 def test_saved_configs_with_unknown_variants_or_fields_are_refused(tmp_path):
     target = build_target("llama")
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for bad, message in ((config | {"variants": {"dspark": {}}}, r"config.json: unknown drafter variants \['dspark'\]"),
-                         (config | {"store_hints": True}, "store_hints needs lookup_hints"),
+                         ({k: v for k, v in config.items() if k != "variants"} | {"store_hints": True}, "store_hints needs hints"),
                          (config | {"extra": 1}, r"unknown DrafterConfig keys \['extra'\]")):
         (tmp_path / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=message):
-            BlockDiffusionDrafter.from_pretrained(tmp_path, target)
+            factory.load(tmp_path, target)
 
 
 def test_resuming_checks_the_variants_and_reads_old_flat_checkpoints():
     """check_same_config (resuming training): an old flat drafter_config of the same drafter passes; another
     variant's options are named."""
-    from drafters.config import check_same_config
-
     target = build_target("llama")
-    drafter = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, shifted=True,
-                                                lookup_hints=True)
+    drafter = factory.from_target(target, num_layers=2, variants={"layerwise": {"shifted": True}, "hints": {}})
     check_same_config(drafter.saved_config(), drafter.saved_config())
     check_same_config(_legacy_config(drafter), drafter.saved_config())
-    other = BlockDiffusionDrafter.from_target(target, num_layers=2, layerwise_context=True, lookup_hints=True)
+    other = factory.from_target(target, num_layers=2, variants={"layerwise": {}, "hints": {}})
     with pytest.raises(ValueError, match="variants: checkpoint .*'shifted': False.*now .*'shifted': True"):
         check_same_config(other.saved_config(), drafter.saved_config())
 
 
 def test_with_variant_keeps_the_weights_and_checks_the_options():
     target = build_target("llama")
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4).eval()
-    refined = drafter.with_variant("refine", passes=3)
+    drafter = factory.from_target(target, block_size=4).eval()
+    refined = factory.with_variant(drafter, "refine", passes=3)
     assert refined.variant_names == ("refine",) and not refined.training and refined.target is target
     assert all(torch.equal(a, b) for a, b in zip(refined.state_dict().values(), drafter.state_dict().values()))
-    assert type(refined.without_variant("refine")) is DFlashDrafter
+    assert factory.without_variant(refined, "refine").variants == {}
     with pytest.raises(ValueError, match="refine_passes must be >= 1"):
-        drafter.with_variant("refine", passes=0)
+        factory.with_variant(drafter, "refine", passes=0)
 
 
 @pytest.mark.parametrize("design", ["dflash", "refined"])
@@ -274,13 +272,12 @@ def test_logits_over_a_vocabulary_subset_are_the_full_logits_columns(design):
 
 
 def test_composed_drafters_pickle():
-    """ddp_spawn pickles the training module: a composed class is found again by its name."""
+    """ddp_spawn pickles the training module: the one class and its variant objects pickle as they are."""
     import pickle
 
-    attached = BlockDiffusionDrafter.from_target(build_target("llama"), num_layers=2, layerwise_context=True,
-                                                 lookup_hints=True)
-    drafter = DFlashDrafter.build(attached.config, attached.variants)  # no target: the test pickles the drafter only
+    attached = factory.from_target(build_target("llama"), num_layers=2, variants={"layerwise": {}, "hints": {}})
+    drafter = factory.build(attached.config, attached.variants)  # no target: the test pickles the drafter only
     clone = pickle.loads(pickle.dumps(drafter))
-    assert type(clone) is type(drafter) and type(drafter).__name__ == "DFlashDrafter__hints__layerwise"
+    assert type(clone) is DFlashDrafter
     assert clone.variants == drafter.variants
     assert all(torch.equal(a, b) for a, b in zip(clone.state_dict().values(), drafter.state_dict().values()))

@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafters import BlockDiffusionDrafter
-from drafters.blocks import select_blocks
-from drafters.data import collate
+from drafters import factory
 from drafters.dflash import export_dflash
 from drafters.tau import greedy_walk
+from drafters.training.blocks import select_blocks
+from drafters.training.datamodule import collate
 from experiments.serving.compare import engine_walk, position_counts, sequence_leads
 from experiments.serving.engine import ServingError, run_engine, vllm_python
 from verify.generate import speculative_generate, target_generate
@@ -78,7 +78,7 @@ def served(tmp_path_factory):
     # K tokens past NEW: the blocks of vLLM's last step are verified on what the target would say next.
     longer = [target_generate(target, torch.tensor([p]), max_new_tokens=NEW + BLOCK - 1).new_tokens[0]
               for p in prompts]
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=BLOCK, num_layers=1, target_layer_ids=(1, 3))
+    drafter = factory.from_target(target, block_size=BLOCK, num_layers=1, target_layer_ids=(1, 3))
     drafter = fit_drafter(drafter, target, [{"input_ids": p + c, "prompt_len": len(p)} for p, c in zip(prompts, longer)])
     export_dflash(drafter, root / "drafter")
     job = {"model": str(root / "target"), "max_model_len": 512, "max_num_seqs": 4,

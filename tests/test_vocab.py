@@ -1,13 +1,13 @@
-"""drafters.vocab: a candidate vocabulary for the training loss (frequent tokens, label remapping, logits)."""
+"""drafters.training.vocab: a candidate vocabulary for the training loss (frequent tokens, label remapping, logits)."""
 
 from __future__ import annotations
 
 import torch
 from conftest import tiny_target
 
-from drafters import BlockDiffusionDrafter
-from drafters.blocks import select_blocks
-from drafters.vocab import TrainVocab, coverage, frequent_tokens, lookup_table, remap_labels
+from drafters import factory
+from drafters.training.blocks import select_blocks
+from drafters.training.vocab import TrainVocab, coverage, frequent_tokens, lookup_table, remap_labels
 
 
 def test_frequent_tokens_keeps_the_most_frequent_and_the_forced_ids():
@@ -29,7 +29,7 @@ def test_remap_labels_cuts_each_block_at_its_first_label_outside():
 def test_candidate_logits_are_the_full_logits_columns():
     torch.manual_seed(0)
     target = tiny_target("llama", vocab_size=64, hidden_size=32)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=4)
+    drafter = factory.from_target(target, block_size=4)
     ids = torch.randint(3, 64, (2, 20))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompt_len": torch.tensor([6, 8]),
              "length": torch.tensor([20, 20])}

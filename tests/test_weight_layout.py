@@ -47,13 +47,13 @@ def test_greedy_decoding_is_token_identical_after_relaying():
 def test_a_wrapped_drafter_and_its_target_are_relaid_and_speculative_decoding_stays_greedy_identical():
     from conftest import left_padded_prompts
 
-    from drafters import BlockDiffusionDrafter, DraftingPolicy, PolicyDrafter
+    from drafters import DraftingPolicy, PolicyDrafter, factory
     from drafters.checks import target_weights_sha1
     from verify.generate import speculative_generate
 
     target = tiny_target("llama", vocab_size=64, seed=1)
     torch.manual_seed(7)
-    drafter = PolicyDrafter(BlockDiffusionDrafter.from_target(target, block_size=6), DraftingPolicy())
+    drafter = PolicyDrafter(factory.from_target(target, block_size=6), DraftingPolicy())
     ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
     signature = target_weights_sha1(target)
     before = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)

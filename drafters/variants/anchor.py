@@ -9,16 +9,20 @@ norms, the output norm) are frozen too, so training never moves slot 1 and the l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from drafters.attention import own_block_mask
-from drafters.layers import DrafterLayer, RMSNorm, SwiGLU
+from drafters.layers import DrafterLayer, RMSNorm, SwiGLU, own_block_mask
+from drafters.model import Variant
 
 
 @dataclass(frozen=True)
-class AnchorOptions:
+class CausalAnchor(Variant):
+    name: ClassVar[str] = "anchor"
+    export_refusal: ClassVar[str] = ("anchor (causal or frozen anchor): DFlash blocks attend bidirectionally and run "
+                                     "every slot through the same weights")
     frozen: bool = False  # the anchor runs through frozen copies of the layers
 
     def check(self, config, variants) -> None:
@@ -26,6 +30,20 @@ class AnchorOptions:
         if self.frozen and not (layerwise is not None and layerwise.shifted):
             raise ValueError("frozen_anchor needs causal_anchor and shifted (slot 1 read from an anchor that sees no "
                              "other slot): compose it with the layerwise variant, shifted=True")
+
+    def own_mask(self, drafter, block_size: int, device):
+        return own_block_mask(block_size, device)
+
+    def new_layer(self, drafter):
+        return FrozenAnchorLayer(drafter.config) if self.frozen else DrafterLayer(drafter.config)
+
+    def after_init(self, drafter) -> None:
+        """frozen: the output norm (read by the anchor too) is frozen, and the anchor's copies := each layer's
+        current weights (at construction, after any warm start; a saved drafter loads its own)."""
+        if self.frozen:
+            drafter.norm.requires_grad_(False)
+            for layer in drafter.layers:
+                layer.sync_anchor_path()
 
 
 def by_slot(x: torch.Tensor, block_size: int, anchor_fn, slot_fn) -> torch.Tensor:
@@ -58,15 +76,11 @@ class FrozenAnchorLayer(DrafterLayer):
             if module is not None:
                 module.requires_grad_(False)
 
-    def q_projection(self, h, block_size: int):
-        return by_slot(h, block_size, self.attn.anchor_q_proj, self.attn.q_proj)
-
-    def o_projection(self, out, block_size: int):
-        return by_slot(out, block_size, self.attn.anchor_o_proj, self.attn.o_proj)
-
-    def feed_forward(self, x, block_size: int):
-        return by_slot(x, block_size, lambda a: self.anchor_mlp(self.anchor_post_attn_norm(a)),
-                       lambda s: self.mlp(self.post_attn_norm(s)))
+    def part(self, name: str, x, block_size: int):
+        """Each block's anchor through the frozen copy of part ``name``, its other slots through the live one."""
+        frozen = {"q": self.attn.anchor_q_proj, "o": self.attn.anchor_o_proj,
+                  "ffn": lambda a: self.anchor_mlp(self.anchor_post_attn_norm(a))}[name]
+        return by_slot(x, block_size, frozen, self.live(name))
 
     @torch.no_grad()
     def sync_anchor_path(self) -> None:
@@ -76,25 +90,3 @@ class FrozenAnchorLayer(DrafterLayer):
         for frozen, live in pairs:
             frozen.load_state_dict(live.state_dict())
 
-
-class CausalAnchor:
-    variant_name = "anchor"
-    Options = AnchorOptions
-    requires: tuple[str, ...] = ()
-    export_refusal = ("anchor (causal or frozen anchor): DFlash blocks attend bidirectionally and run every slot "
-                      "through the same weights")
-
-    def _own_mask(self, block_size: int, device):
-        return own_block_mask(block_size, device)
-
-    def _new_layer(self):
-        return FrozenAnchorLayer(self.config) if self.variants["anchor"].frozen else super()._new_layer()
-
-    def _after_init(self) -> None:
-        """frozen: the output norm (read by the anchor too) is frozen, and the anchor's copies := each layer's
-        current weights (at construction, after any warm start; a saved drafter loads its own)."""
-        super()._after_init()
-        if self.variants["anchor"].frozen:
-            self.norm.requires_grad_(False)
-            for layer in self.layers:
-                layer.sync_anchor_path()

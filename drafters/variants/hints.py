@@ -8,55 +8,52 @@ policy (:class:`drafters.policy.DraftingPolicy`). Not servable as DFlash (engine
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from drafters.hints import compact_rows, lookup_hints
+from drafters.model import Variant
 
 
 @dataclass(frozen=True)
-class HintsOptions:
+class LookupHints(Variant):
+    name: ClassVar[str] = "hints"
+    export_refusal: ClassVar[str] = ("hints (lookup_hints: block slots read prompt-lookup tokens instead of MASK): "
+                                     "DFlash engines do not provide them")
     max_ngram: int = 3  # longest n-gram prompt lookup matches
 
     def check(self, config, variants) -> None:
         if self.max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {self.max_ngram}")
 
-
-class LookupHints:
-    variant_name = "hints"
-    Options = HintsOptions
-    requires: tuple[str, ...] = ()
-    export_refusal = ("hints (lookup_hints: block slots read prompt-lookup tokens instead of MASK): DFlash engines do "
-                      "not provide them")
-
-    def slot_ids(self, ids, mask, anchors, prompt_len=None) -> torch.Tensor:
+    def slot_ids(self, drafter, ids, mask, anchors, prompt_len=None) -> torch.Tensor:
         """Slots' input tokens (Bt, A, K): the prompt-lookup continuation of ``ids[:, :anchor + 1]``, MASK where
         no n-gram matched (see :meth:`hinted_slots`)."""
-        return self.hinted_slots(ids, mask, anchors, prompt_len)[0]
+        return self.hinted_slots(drafter, ids, mask, anchors, prompt_len)[0]
 
-    def hinted_slots(self, ids, mask, anchors, prompt_len=None):
+    def hinted_slots(self, drafter, ids, mask, anchors, prompt_len=None):
         """``(slot ids (Bt, A, K), ngram (Bt, A), from_store (Bt, A) bool)``: the hints, MASK where no n-gram
-        matched (ngram 0), the length of the n-gram each rests on, and whether it came from a hint store.
-        ids: (Bt, S) long; mask: (Bt, S) bool real tokens; anchors: (Bt, A) long columns."""
-        k = self.num_draft_tokens
-        hints, ngram = lookup_hints(ids, mask, anchors, k, self.variants["hints"].max_ngram)
-        hints, ngram, from_store = self._weak_hints(ids, anchors, hints, ngram, prompt_len)
-        return hints.masked_fill(ngram.unsqueeze(-1) == 0, self.config.mask_token_id), ngram, from_store
+        matched (ngram 0), the length of the n-gram each rests on, and whether it came from a hint store (the
+        store_hints variant replaces weak hints). ids: (Bt, S) long; mask: (Bt, S) bool real tokens; anchors:
+        (Bt, A) long columns."""
+        hints, ngram = lookup_hints(ids, mask, anchors, drafter.num_draft_tokens, self.max_ngram)
+        store = drafter.variants.get("store_hints")
+        if store is not None:
+            hints, ngram, from_store = store.weak_hints(drafter, ids, anchors, hints, ngram, prompt_len)
+        else:
+            from_store = torch.zeros_like(ngram, dtype=torch.bool)
+        return hints.masked_fill(ngram.unsqueeze(-1) == 0, drafter.config.mask_token_id), ngram, from_store
 
-    def _weak_hints(self, ids, anchors, hints, ngram, prompt_len):
-        """Hook: replace weak hints (store hints); returns ``(hints, ngram, from_store)``."""
-        return hints, ngram, torch.zeros_like(ngram, dtype=torch.bool)
-
-    def _slot_inputs(self, ids: torch.Tensor, columns: int):
+    def slot_inputs(self, drafter, ids: torch.Tensor, columns: int):
         """The hints of the committed tokens (holes dropped) and the anchor, as training reads them, into
         ids[:, 1:]; all K of them are returned as the block's ``hints``."""
-        rows = compact_rows(self._ids_buffer[:, :columns], self._mask_buffer[:, :columns], ids[:, 0])
-        slots, ngram, store = self.hinted_slots(*rows)
+        rows = compact_rows(drafter._ids_buffer[:, :columns], drafter._mask_buffer[:, :columns], ids[:, 0])
+        slots, ngram, store = self.hinted_slots(drafter, *rows)
         ids[:, 1:] = slots[:, 0, : ids.shape[1] - 1]
         return slots[:, 0], ngram[:, 0], store[:, 0]  # (B, K), (B,), (B,)
 
-    def source_labels(self, block, copied):
+    def source_labels(self, drafter, block, copied):
         """``hint:prompt`` / ``hint:store`` (a copied hint of the row's own tokens or of the hint store),
         ``hint:none`` (a copied row with no hint) or ``drafter`` (the drafter's tokens), per row."""
         _, ngram, store = (h.tolist() for h in block.hints)

@@ -9,13 +9,20 @@ predicts the next token as the target's copied layers were trained to. Not serva
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from drafters.layers import copy_target_layers, rope_cos_sin
+from drafters.layers import rope_cos_sin
+from drafters.model import Variant
 from drafters.shared_cache import shareable_layers
 
 
 @dataclass(frozen=True)
-class LayerwiseOptions:
+class Layerwise(Variant):
+    name: ClassVar[str] = "layerwise"
+    export_refusal: ClassVar[str] = ("layerwise (drafter layer i reads its own target hidden state; slots maybe "
+                                     "shifted): DFlash has one fused context for all layers and reads slot k from "
+                                     "block position k")
+    fused_context: ClassVar[bool] = False  # each layer's input norm reads its own state
     shifted: bool = False  # slot k read from block position k - 1 (the anchor predicts slot 1)
 
     def check(self, config, variants) -> None:
@@ -25,37 +32,26 @@ class LayerwiseOptions:
                 f"state, but target_layer_ids {list(config.target_layer_ids)} lists {len(config.target_layer_ids)}")
 
 
-class Layerwise:
-    variant_name = "layerwise"
-    Options = LayerwiseOptions
-    requires: tuple[str, ...] = ()
-    export_refusal = ("layerwise (drafter layer i reads its own target hidden state; slots maybe shifted): DFlash "
-                      "has one fused context for all layers and reads slot k from block position k")
-
-    def _build_context(self) -> None:  # no fused context: each layer's input norm reads its own state
-        pass
-
-    @classmethod
-    def _default_layer_ids(cls, num_layers: int, num_hidden_layers: int) -> tuple[int, ...]:
+    @staticmethod
+    def default_layer_ids(num_layers: int, num_hidden_layers: int) -> tuple[int, ...]:
         return tuple(range(num_layers))  # layer i reads the input of the target's layer i
 
-    def _copy_target_layers(self, target) -> None:
+    def layer_sources(self, drafter) -> tuple[int, ...]:
         """Drafter layer i <- the target layer whose input it reads."""
-        copy_target_layers(self, target, sources=self.target_layer_ids)
+        return drafter.target_layer_ids
 
-    def context_kv(self, states, positions):
+    def context_kv(self, drafter, states, positions):
         """Layer i's keys/values of ``input_norm_i(states[i])``; states: L = num_layers x (Bt, S, H), or their
         concatenation (Bt, S, L*H)."""
-        dtype = self.weight_ref.dtype
+        dtype, cfg = drafter.weight_ref.dtype, drafter.config
         if not isinstance(states, (list, tuple)):
-            self._check_cached_width(states)
-            states = states.split(self.config.hidden_size, dim=-1)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
-        return [layer.attn.key_value(layer.input_norm(h.to(dtype)), cos, sin) for layer, h in zip(self.layers, states)]
+            drafter._check_cached_width(states)
+            states = states.split(cfg.hidden_size, dim=-1)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        return [layer.attn.key_value(layer.input_norm(h.to(dtype)), cos, sin) for layer, h in zip(drafter.layers, states)]
 
-    @property
-    def drafted_slots(self) -> slice:
-        return slice(0, -1) if self.variants["layerwise"].shifted else slice(1, None)
+    def drafted_slots(self, drafter) -> slice:
+        return slice(0, -1) if self.shifted else slice(1, None)
 
-    def _shareable_layers(self, cache):
-        return shareable_layers(cache, self.target_layer_ids)
+    def shareable_layers(self, drafter, cache):
+        return shareable_layers(cache, drafter.target_layer_ids)

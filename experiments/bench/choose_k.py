@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from drafters.data import load_regenerated, split_by_id
-from drafters.model import BlockDiffusionDrafter
+from drafters import factory
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
+from drafters.training.datamodule import load_regenerated, split_by_id
 from experiments.bench import lookup_replay as replay
 from experiments.bench import prefill, write_record
 from experiments.data.target import load_target
@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
         result["ar_assistant"] = choose({k: assistant_tau(assistant, rows, k) for k in args.ks},
                                         {k: target_ms[k + 1] + k * one for k in args.ks}, target_ms[1])
     for name, path in (item.split("=", 1) for item in args.drafter):
-        drafter = BlockDiffusionDrafter.from_pretrained(path, target=target).eval()
+        drafter = factory.load(path, target=target).eval()
         ws = [w for w in args.ks if w <= drafter.num_draft_tokens]
         result.setdefault("block_width", {})[name] = choose(
             block_tau(drafter, target, rows, ws), {w: target_ms[w + 1] + ms for w, ms in

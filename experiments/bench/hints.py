@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from drafters import BlockDiffusionDrafter
-from drafters.data import collate, id_hash, load_regenerated, split_by_id
-from drafters.features import FeatureStore, ensure_features
+from drafters import factory
 from drafters.hints import lookup_hints
+from drafters.model import DFlashDrafter
+from drafters.training.datamodule import collate, ensure_features, id_hash, load_regenerated, split_by_id
+from drafters.training.features import FeatureStore
 from experiments.data.target import TINY_TARGET_DIR, load_target
 from experiments.pipeline.paths import cache_path, portable_path, runs_path
 
@@ -39,7 +40,7 @@ def correct_prefix(guess: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
 
 
 @torch.no_grad()
-def accepts(drafter: BlockDiffusionDrafter, rows: list[dict], chunk: int = 64) -> tuple[torch.Tensor, ...]:
+def accepts(drafter: DFlashDrafter, rows: list[dict], chunk: int = 64) -> tuple[torch.Tensor, ...]:
     """Hint accepts, drafter accepts, how many leading slots the drafter's argmax agrees with a found hint,
     and the length of the hint's n-gram match (0: none found), one entry per response anchor of ``rows``
     (row by row, anchors in order): four (N,)."""
@@ -122,13 +123,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="runs/bench_hints.json")
     args = p.parse_args(argv)
     target = load_target(args.target)[0]
-    drafter = BlockDiffusionDrafter.from_pretrained(args.drafter, target)  # eval mode
+    drafter = factory.load(args.drafter, target)  # eval mode
     if args.refine_passes is not None:
-        drafter = (drafter.with_variant("refine", passes=args.refine_passes) if args.refine_passes
-                   else drafter.without_variant("refine"))
+        drafter = (factory.with_variant(drafter, "refine", passes=args.refine_passes) if args.refine_passes
+                   else factory.without_variant(drafter, "refine"))
     store = FeatureStore(ensure_features(target, args.data_dir, drafter.target_layer_ids, max_length=args.max_length))
     data = load_regenerated(args.data_dir)
-    # the rows training validates on (drafters.data: held out by id hash, the first max_val_samples by hash)
+    # the rows training validates on (drafters.training.datamodule: held out by id hash, the first max_val_samples by hash)
     held_out = sorted(sorted(split_by_id(data["id"], 0.05)[1], key=lambda i: id_hash(data["id"][i]))[: args.val_rows])
     rows = [{"input_ids": data[i]["input_ids"][: args.max_length], "prompt_len": data[i]["prompt_len"],
              "features": store[i]} for i in held_out

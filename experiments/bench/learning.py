@@ -6,8 +6,8 @@
         [--design dflash|layerwise] [--unshifted] [--out runs/bench_learning.json] [--val-from <another data dir>]
 
 A plain loop (AdamW, warmup + cosine, uniform CE or ``--gamma`` decay, gradient clipping at 1.0), no Lightning: the
-drafter from :meth:`drafters.BlockDiffusionDrafter.from_target`, the context from the feature cache
-of :mod:`drafters.features` (computed on first use), anchors from :func:`drafters.data.sample_anchors`.
+drafter from :func:`drafters.factory.from_target`, the context from the feature cache
+of :mod:`drafters.training.features` (computed on first use), anchors from :func:`drafters.training.datamodule.sample_anchors`.
 Every ``--eval-every`` steps it records, on the validation split (or the training batch with
 ``--overfit``): CE, top-1 accuracy per slot, and the teacher-forced greedy τ over every response
 anchor (on greedy self-distilled data the data's tokens are the target's greedy tokens, so this τ is
@@ -32,16 +32,23 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from drafters import BlockDiffusionDrafter
-from drafters.data import collate, load_regenerated, sample_anchors, split_by_id
-from drafters.features import FeatureStore, ensure_features
+from drafters import factory
+from drafters.config import target_final_norm_weight
 from drafters.layers import copy_target_layers
-from drafters.model import target_final_norm_weight
+from drafters.model import DFlashDrafter
+from drafters.training.datamodule import (
+    collate,
+    ensure_features,
+    load_regenerated,
+    sample_anchors,
+    split_by_id,
+)
+from drafters.training.features import FeatureStore
 from experiments.data.target import TINY_TARGET_DIR, load_target
 from losses import AcceptanceAlignedLoss
 
 
-def first_wave_init(drafter: BlockDiffusionDrafter, target) -> None:
+def first_wave_init(drafter: DFlashDrafter, target) -> None:
     """The first wave's initialisation (collapsed: docs/history.md, "Why the first-wave drafters did not draft")."""
     with torch.no_grad():
         for module in drafter.modules():
@@ -50,7 +57,7 @@ def first_wave_init(drafter: BlockDiffusionDrafter, target) -> None:
         drafter.norm.weight.copy_(target_final_norm_weight(target).float() * drafter.config.hidden_size ** -0.5)
 
 
-def target_last_init(drafter: BlockDiffusionDrafter, target) -> None:
+def target_last_init(drafter: DFlashDrafter, target) -> None:
     """Diagnosis: the drafter's layers <- the target's LAST layers, the fuse picks the deepest selected
     hidden state and fuse_norm is that layer's input norm, so the context keys/values start equal to
     the target's own in its last layer (build the drafter with qk_norm=False: Llama has none)."""
@@ -99,13 +106,13 @@ def evaluate(drafter, rows, chunk: int = 64) -> dict:
             "acc_mean": float(correct.sum() / count.sum().clamp(min=1)), "tau": kept / max(steps, 1)}
 
 
-def build_drafter(args, target) -> BlockDiffusionDrafter:
+def build_drafter(args, target) -> DFlashDrafter:
     if args.design == "layerwise":
-        return BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
+        return factory.from_target(target, block_size=args.block_size, num_layers=args.layers,
                                                  target_layer_ids=args.target_layer_ids, layerwise_context=True,
                                                  shifted=not args.unshifted, qk_norm=False,
                                                  init_layers_from_target=args.init != "random")
-    return BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers,
+    return factory.from_target(target, block_size=args.block_size, num_layers=args.layers,
                                              target_layer_ids=args.target_layer_ids,
                                              qk_norm=False if args.init == "target_last" else None)
 

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from drafters.data import load_regenerated
+from drafters.training.datamodule import load_regenerated
 from experiments.bench import lookup_replay as replay
 from experiments.pipeline.paths import cache_path
 

@@ -129,7 +129,7 @@ def bench_prefill(target, drafter, batch, device: str):
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
                      use_cache=True, logits_to_keep=1)
     layers = [out.hidden_states[i] for i in drafter.target_layer_ids]
-    features = torch.cat(layers, dim=-1).half().float()  # as drafters.features stores them (float16)
+    features = torch.cat(layers, dim=-1).half().float()  # as drafters.training.features stores them (float16)
     tokens = batch["input_ids"].numel()
     report = {"tokens": tokens, "seconds": round(m.seconds, 3), "cpu_seconds": round(m.cpu_seconds, 3),
               "tokens_per_s": round(tokens / m.seconds, 2),
@@ -139,8 +139,8 @@ def bench_prefill(target, drafter, batch, device: str):
 
 
 def _module(target, drafter, args):
-    from drafters.module import DrafterLightningModule
-    from drafters.optim import warmup_cosine
+    from drafters.training.module import DrafterLightningModule
+    from drafters.training.optim import warmup_cosine
     from losses import AcceptanceAlignedLoss
 
     return DrafterLightningModule(
@@ -151,7 +151,7 @@ def _module(target, drafter, args):
 
 def bench_train(target, drafter, batch, args, steps: int) -> dict:
     """``steps`` drafter training steps (the module's step: context, blocks, loss, backward, AdamW)."""
-    from drafters.blocks import select_blocks
+    from drafters.training.blocks import select_blocks
 
     module = _module(target, drafter, args)
     optimizer = module.configure_optimizers()["optimizer"]
@@ -250,7 +250,7 @@ def machine(args) -> dict:
 
 
 def run(args) -> dict:
-    from drafters import BlockDiffusionDrafter
+    from drafters import factory
 
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
@@ -262,7 +262,7 @@ def run(args) -> dict:
               "random_weights": True, "notes": args.note, "build_s": round(time.perf_counter() - start, 1)}
     report["regeneration"] = bench_regeneration(target, args)
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.drafter_layers)
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.drafter_layers)
     drafter.to(args.device)
     report["drafter_parameters"] = sum(p.numel() for p in drafter.parameters())
     batch = make_batch(args.seq_len, args.prompt_len, target.config.vocab_size, args.device)

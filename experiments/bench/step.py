@@ -1,7 +1,7 @@
 """Cost of one speculative step, part by part, against one target-only step (CPU or GPU).
 
 Profiles the real decoding loop (:mod:`experiments.bench.profiling`) on the embedded tiny target with
-a freshly initialised 1-layer :class:`drafters.model.BlockDiffusionDrafter` (untrained weights cost
+a freshly initialised 1-layer :class:`drafters.model.DFlashDrafter` (untrained weights cost
 what trained ones do; ``--drafter-config layerwise --num-layers 2`` profiles the main job's design) at block size 16 (K = 15) and 8 (K = 7), at batch 1 and 8, on HumanEval
 prompts of 185-215 tokens (chat-templated) while each row generates ``--max-new-tokens``: the
 first ``--skip`` steps, the prefill and the last step are left out. Greedy, and sampling at the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from drafters.model import BlockDiffusionDrafter
+from drafters import factory
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from experiments.bench import drafter_factory
 from experiments.bench.profiling import (
@@ -140,7 +140,7 @@ def end_to_end_runs(args, target, variants: dict, prompts, pad_id: int, device) 
         return {}
     e2e_variants = dict(variants)
     if args.drafter is not None:
-        trained = BlockDiffusionDrafter.from_pretrained(args.drafter, target=target).to(device)
+        trained = factory.load(args.drafter, target=target).to(device)
         e2e_variants[f"trained_K{trained.num_draft_tokens}"] = Variant(trained)
     for threshold in args.confidence:
         for name, variant in list(e2e_variants.items()):

@@ -16,7 +16,7 @@ reports, over ``--steps`` timed steps after ``--warmup``:
   lifetime peak), ``peak_cuda_mb`` on a GPU.
 
 Every loss runs twice in one process (``--features both``): with a target forward per step, as
-without a feature cache, and with cached features (:mod:`drafters.features`; soft losses still need
+without a feature cache, and with cached features (:mod:`drafters.training.features`; soft losses still need
 the target's logits and always run it), so the speedup of the cache is a ratio measured in one run.
 
 Plus, once, the cost of one validation batch (teacher-forced τ over every response anchor). The
@@ -36,12 +36,12 @@ import hydra.utils
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafters import BlockDiffusionDrafter
-from drafters.blocks import select_blocks
-from drafters.module import DrafterLightningModule
-from drafters.optim import warmup_cosine
+from drafters import factory
 from drafters.tau import anchor_acceptance
-from drafters.vocab import TrainVocab
+from drafters.training.blocks import select_blocks
+from drafters.training.module import DrafterLightningModule
+from drafters.training.optim import warmup_cosine
+from drafters.training.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
 
@@ -68,7 +68,7 @@ def make_batch(batch_size: int, seq_len: int, prompt_len: int, vocab: int, devic
 
 
 def with_cached_features(batch: dict, target, layer_ids) -> dict:
-    """The batch plus ``features`` (B, S, L*H), as drafters.features caches them (float16 on disk)."""
+    """The batch plus ``features`` (B, S, L*H), as drafters.training.features caches them (float16 on disk)."""
     with torch.no_grad():
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      output_hidden_states=True, use_cache=False)
@@ -79,7 +79,7 @@ def with_cached_features(batch: dict, target, layer_ids) -> dict:
 def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     loss = hydra.utils.instantiate(loss_configs([name])[name])
     torch.manual_seed(0)
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
     drafter.to(args.device)
     module = DrafterLightningModule(
         drafter, target, loss, functools.partial(torch.optim.AdamW, lr=6e-4, weight_decay=0.01),
@@ -137,7 +137,7 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
 
 @torch.no_grad()
 def bench_validation(target, args, batch) -> dict:
-    drafter = BlockDiffusionDrafter.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
     drafter.to(args.device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)

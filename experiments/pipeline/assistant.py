@@ -3,7 +3,7 @@
 Library code of ``python -m experiments.train_assistant`` (conf/train_assistant.yaml). The assistant
 is a Hugging Face ``LlamaForCausalLM`` with the target's vocabulary and special ids, by default
 started from the target's embeddings, first layers, final norm and LM head (:func:`build_assistant`), trained with next-token cross-entropy on the *response* tokens of the
-same regenerated data the block drafters train on (``data``: :class:`drafters.data.RegenDataModule`,
+same regenerated data the block drafters train on (``data``: :class:`drafters.training.datamodule.RegenDataModule`,
 same validation split), and exported with ``save_pretrained`` plus the target's tokenizer
 (:func:`export_assistant`), ready for ``verify.AssistantDrafter`` / ``drafter=ar_assistant``.
 
@@ -33,8 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from drafters import locks
-from drafters.data import read_meta
 from drafters.tau import greedy_walk
+from drafters.training.datamodule import read_meta
 from experiments.data.target import load_target
 from experiments.pipeline.paths import cache_path, portable_path
 from experiments.pipeline.trainer import build_trainer
@@ -75,7 +75,7 @@ def build_assistant(target, model: dict, init_from_target: bool | str = True):
 
 
 def response_labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token labels of a right-padded batch (:func:`drafters.data.collate`) and where they count.
+    """Next-token labels of a right-padded batch (:func:`drafters.training.datamodule.collate`) and where they count.
 
     Returns ``labels (B, S - 1)`` (column c + 1 of ``input_ids``, predicted at column c) and
     ``mask (B, S - 1) bool``: True where that label is a response token (``prompt_len <= c + 1 < length``).

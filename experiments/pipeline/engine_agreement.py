@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
-from drafters import data as regen
+from drafters.training import datamodule as regen
 from experiments.data.hashing import stable_seed
 from experiments.data.target import eos_token_ids, load_target
 from experiments.pipeline.regen_backends import generate_batch

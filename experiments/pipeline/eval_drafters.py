@@ -18,18 +18,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import conf
+from drafters import factory
 from drafters.checks import TargetMismatchError
-from drafters.data import load_regenerated
+from drafters.factory import with_variant, without_variant
 from drafters.hints import HintStore
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
-from drafters.model import BlockDiffusionDrafter
+from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
-from drafters.variants import flat_settings
+from drafters.training.datamodule import load_regenerated
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.hf import output_vocab_size
@@ -86,7 +88,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
-        drafter = drafter.with_variant("refine", passes=refine_passes) if refine_passes else drafter.without_variant("refine")
+        drafter = with_variant(drafter, "refine", passes=refine_passes) if refine_passes else without_variant(drafter, "refine")
     if hint_data_dir is not None:
         _replace_hint_store(drafter, hint_data_dir, path)
     policy = DraftingPolicy(max_draft_tokens=max_draft_tokens, own_draft_tokens=own_draft_tokens,
@@ -104,7 +106,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                 "min_drafting_rows": min_drafting_rows, "allow_other_target": True if allow_other_target else None,
                 "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(store.rows) if store is not None else None}
-    config = (drafter.config.to_dict() | flat_settings(drafter.variants)
+    config = (drafter.config.to_dict() | record_settings(drafter.variants)
               | {k: v for k, v in settings.items() if v is not None})
     return EvalDrafter(wrapped, {
         "name": name,
@@ -118,11 +120,21 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     })
 
 
-def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> tuple[Path, BlockDiffusionDrafter]:
+def record_settings(variants) -> dict[str, Any]:
+    """The variants ({name: Variant}) as the evaluation results record them, one field per option (the records'
+    format since before variants, so that results compare by field across versions)."""
+    lw, an, hi, st, rf = (variants.get(n) for n in ("layerwise", "anchor", "hints", "store_hints", "refine"))
+    return {"layerwise_context": lw is not None, "shifted": bool(lw and lw.shifted), "causal_anchor": an is not None,
+            "frozen_anchor": bool(an and an.frozen), "lookup_hints": hi is not None,
+            "lookup_max_ngram": hi.max_ngram if hi else 3, "store_hints": st is not None,
+            "store_num_folds": st.num_folds if st else 4, "refine_passes": rf.passes if rf else 0}
+
+
+def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> tuple[Path, DFlashDrafter]:
     """``(directory, drafter)``: the saved drafter at ``path`` attached to ``target``, on its device and dtype."""
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
-        drafter = BlockDiffusionDrafter.from_pretrained(directory, target=target, allow_other_target=allow_other_target)
+        drafter = factory.load(directory, target=target, allow_other_target=allow_other_target)
     except (DamagedFileError, TargetMismatchError):
         raise  # names the damaged file, or both targets' signatures
     except ValueError as e:
@@ -131,7 +143,7 @@ def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> 
     return directory, drafter.to(device=weight.device, dtype=weight.dtype)  # from_pretrained: eval mode
 
 
-def _replace_hint_store(drafter: BlockDiffusionDrafter, data_dir: str, path: str) -> None:
+def _replace_hint_store(drafter: DFlashDrafter, data_dir: str, path: str) -> None:
     """The drafter's hint store rebuilt from every answer of a regenerated data folder."""
     store = drafter.variants.get("store_hints")
     if store is None:

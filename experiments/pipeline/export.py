@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from drafters import factory
 from drafters.checks import check_target_weights
 from drafters.dflash import export_dflash, model_card
-from drafters.model import BlockDiffusionDrafter
+from drafters.model import DFlashDrafter
 from experiments.data.target import load_target_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -142,7 +143,7 @@ def _target_positions(target_path: str | None) -> int | None:
     return int(value) if value else None
 
 
-def check_card_target(drafter: BlockDiffusionDrafter, drafter_dir: Path, target: str | None, allow: bool) -> None:
+def check_card_target(drafter: DFlashDrafter, drafter_dir: Path, target: str | None, allow: bool) -> None:
     """Refuse to name ``target`` as ``drafter``'s in the card when its weights are not those the drafter was trained
     for (``allow``: ``drafter.allow_other_target``); a target that is not a local model folder is not checked."""
     if not target or not (Path(str(target)).expanduser() / "config.json").is_file():
@@ -163,7 +164,7 @@ def export_for_serving(cfg: DictConfig) -> Path:
                                 "experiments.train (e.g. runs/train/<name>/drafter)")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}; expected one of {sorted(DTYPES)} or null")
-    drafter = BlockDiffusionDrafter.from_pretrained(drafter_dir)
+    drafter = factory.load(drafter_dir)
     info = describe_run(drafter_dir)
     out = Path(str(cfg.out)).expanduser()
     target = cfg.target or info["target"]

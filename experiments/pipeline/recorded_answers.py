@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters import data as regen
 from drafters.locks import read_json, write_json_atomic
+from drafters.training import datamodule as regen
 from experiments.data import sharegpt
 from experiments.data.suites import sha256_file
 from experiments.data.target import eos_token_ids

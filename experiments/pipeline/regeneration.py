@@ -3,7 +3,7 @@
 The target answers training prompts (``data.generation.prompts``, default
 :func:`experiments.data.corpora.training_prompts`: code stubs, gsm problems from their own seeds,
 dialogues) rendered with its chat template. Rows ``id, domain, input_ids (prompt + response),
-prompt_len`` are written in shards (see :mod:`drafters.data`) to ``data.data_dir``, by default
+prompt_len`` are written in shards (see :mod:`drafters.training.datamodule`) to ``data.data_dir``, by default
 
     $BLOCKDRAFT_CACHE/regen/<target name>/<hash of target path + data.generation>
 
@@ -48,9 +48,9 @@ from datasets.utils.logging import disable_progress_bar
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from drafters import data as regen
 from drafters import locks
 from drafters.model import target_fingerprint
+from drafters.training import datamodule as regen
 from experiments.data.decontamination import check_disjoint, drop_overlapping
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import as_messages, encode_messages

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from drafters.blocks import run_target
 from drafters.checks import target_weights_sha1
-from drafters.data import collate
 from drafters.locks import write_json_atomic
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import anchor_acceptance, greedy_walk
+from drafters.training.blocks import run_target
+from drafters.training.datamodule import collate
 from experiments.data.hashing import settings_hash, stable_seed
 from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, cache_dir

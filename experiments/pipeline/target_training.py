@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from drafters.data import ResumableLoader
-from drafters.optim import warmup_cosine
+from drafters.training.datamodule import ResumableLoader
+from drafters.training.optim import warmup_cosine
 from experiments.data import corpora
 from experiments.data.tokenizer import train_tokenizer
 from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
@@ -226,7 +226,7 @@ def _fit(cfg: DictConfig, module: TargetLM, train_set: MixtureWindows, val_set: 
     trainer = build_trainer(cfg, logger)
     trainer.fit(
         module,
-        # resumable: a run resumed mid-epoch goes on with the batches it had not seen (drafters.resume)
+        # resumable: a run resumed mid-epoch goes on with the batches it had not seen (drafters.training.resume)
         train_dataloaders=ResumableLoader(train_set, batch_size=recipe.batch_size, shuffle=False),
         val_dataloaders=DataLoader(val_set, batch_size=recipe.batch_size),
         ckpt_path=str(last) if last.exists() else None,

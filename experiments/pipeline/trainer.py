@@ -13,12 +13,12 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from drafters.resume import RandomStreams
+from drafters.training.resume import RandomStreams
 
 
 def build_trainer(cfg: DictConfig, logger) -> L.Trainer:
     """``cfg.trainer`` instantiated with ``logger`` and every callback of ``cfg.callbacks`` (in order), plus
-    :class:`drafters.resume.RandomStreams` (the random streams in every checkpoint: exact resumes)."""
+    :class:`drafters.training.resume.RandomStreams` (the random streams in every checkpoint: exact resumes)."""
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     return hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks, RandomStreams()])
 

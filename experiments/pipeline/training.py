@@ -10,12 +10,12 @@ csv or wandb).
 The run directory is fixed by ``name`` (default ``<target>-<loss>-s<seed>``), so a killed run started
 again with the same command resumes from ``checkpoints/last.ckpt`` (same step, optimizer and
 scheduler state, data position and random streams: it ends as the uninterrupted run, see
-:mod:`drafters.resume`) when the loss, drafter, data and optimiser settings are those saved in
+:mod:`drafters.training.resume`) when the loss, drafter, data and optimiser settings are those saved in
 ``run_settings.json`` (only ``train.max_steps`` may change; otherwise it refuses, naming the
 differences); ``resume=false`` refuses to resume. One process owns the run dir at a time
 (``<run dir>/.lock``, :mod:`drafters.locks`): a second job of the same name refuses. It ends up holding
 
-* ``drafter/``: the trained drafter (``BlockDiffusionDrafter.from_pretrained(dir, target=...)``);
+* ``drafter/``: the trained drafter (``factory.load(dir, target=...)``);
 * ``checkpoints/last.ckpt``: drafter weights (never the target) and training state;
 * the logger's output (``logs/metrics.csv`` or ``wandb/``);
 * ``train_summary.json``: steps, wall time, throughput and the final validation metrics;
@@ -38,14 +38,15 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import data as regen
 from drafters import locks
-from drafters.features import HEAD, ensure_features
-from drafters.features import features_dir as features_folder
+from drafters.factory import read_saved_config
 from drafters.hints import HintStore
-from drafters.model import target_fingerprint
-from drafters.variants import read_saved_config
-from drafters.vocab import coverage, frequent_tokens
+from drafters.model import DFlashDrafter, target_fingerprint
+from drafters.training import datamodule as regen
+from drafters.training.datamodule import ensure_features
+from drafters.training.features import HEAD
+from drafters.training.features import features_dir as features_folder
+from drafters.training.vocab import coverage, frequent_tokens
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
@@ -66,13 +67,13 @@ def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
         warnings.warn(f"the target files at {target_path} changed since {data_dir} was regenerated", stacklevel=2)
 
 
-def export_drafter(checkpoint: Path, drafter_class, out_dir: Path, hint_store=None) -> None:
+def export_drafter(checkpoint: Path, out_dir: Path, hint_store=None) -> None:
     """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it, with the
     training run's ``hint_store`` (:class:`drafters.hints.HintStore`) if it drafts with one."""
     ckpt = locks.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     config, variants = read_saved_config(ckpt["drafter_config"], f"{checkpoint} (drafter_config)")
-    drafter = drafter_class.build(config, variants)
+    drafter = DFlashDrafter(config, variants)
     drafter.load_state_dict(state, strict=True)
     if hint_store is not None:
         drafter.hint_store = hint_store
@@ -90,7 +91,7 @@ def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
 
 def set_train_vocab(module, datamodule, cfg: DictConfig) -> None:
     """With ``module.train_vocab_size``: the candidate vocabulary of the training loss, the most frequent
-    response tokens of the training rows plus the target's EOS ids (:mod:`drafters.vocab`)."""
+    response tokens of the training rows plus the target's EOS ids (:mod:`drafters.training.vocab`)."""
     size = cfg.module.get("train_vocab_size")
     if not size:
         return
@@ -299,7 +300,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
         return {}
-    export_drafter(run_dir / "checkpoints" / "last.ckpt", type(module.drafter), run_dir / "drafter",
+    export_drafter(run_dir / "checkpoints" / "last.ckpt", run_dir / "drafter",
                    getattr(module.drafter, "hint_store", None))
     summary = _summary(cfg, trainer, module, datamodule, saved, seconds)
     (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

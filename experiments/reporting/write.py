@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from drafters.data import META
+from drafters.training.datamodule import META
 from experiments.pipeline.paths import REPO, cache_path, inside, portable_path
 from experiments.reporting.paper import PAPER_TAU, composition_lines, paper_lines
 from experiments.reporting.plots import (

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from drafters import factory
 from drafters.dflash import DFlashFormatError, export_dflash, reads_final_output
-from drafters.model import BlockDiffusionDrafter
+from drafters.model import DFlashDrafter
 from experiments.data.prompts import encode_prompt
 from experiments.data.suites import load_suites
 from experiments.data.target import eos_token_ids, load_target
@@ -43,10 +44,10 @@ from experiments.serving.report import plot, tables
 SPECULATORS = ("target", "ngram", "drafter")
 
 
-def load_drafter(path: str, target) -> BlockDiffusionDrafter:
+def load_drafter(path: str, target) -> DFlashDrafter:
     """The saved drafter at ``path`` attached to ``target``; ServingError ``drafter`` when it cannot be."""
     try:
-        return BlockDiffusionDrafter.from_pretrained(Path(path).expanduser(), target)
+        return factory.load(Path(path).expanduser(), target)
     except (FileNotFoundError, ValueError) as e:
         raise ServingError("drafter", f"drafter.path={path} cannot draft for this target: {e}") from e
 

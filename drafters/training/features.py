@@ -11,17 +11,17 @@ dtype and the length limit)::
     part-00000.offsets.npy  (n0 + 1,) int64: row i of the part spans offsets[i]:offsets[i + 1]
     part-00001.npy ...
 
-Row order is the data dir's row order (``drafters.data.load_regenerated``). Parts are written to a
+Row order is the data dir's row order (``drafters.training.datamodule.load_regenerated``). Parts are written to a
 temporary name and renamed into place, so a killed job leaves only whole parts and resumes after
 the last one. Parts are memory-mapped when read, so the cache may exceed the machine's memory.
 The feature of column c is ``concat(hidden_states[i][c] for i in target_layer_ids)``: exactly what
-:meth:`drafters.BlockDiffusionDrafter.context_kv` reads, so the drafter's context path (trained)
+:meth:`drafters.model.DFlashDrafter.context_kv` reads, so the drafter's context path (trained)
 still runs on every step.
 
 ``target_layer_ids == ("head",)`` (:data:`HEAD`) caches instead the input of the target's output embeddings
 (its final, normed state, (tokens, H)): the frozen LM head turns it back into the target's logits, so a
 soft-label loss gets the target's distributions at the drafted slots without running the target
-(:func:`drafters.blocks.select_blocks`).
+(:func:`drafters.training.blocks.select_blocks`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from drafters.config import accepts_argument, target_fingerprint
+from drafters.config import accepts_argument
 
 META = "meta.json"
 HEAD = "head"  # the layer id of the target's final state, the input of its LM head
@@ -154,20 +154,6 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     return root
 
 
-def ensure_features(target, data_dir: str | Path, target_layer_ids: Sequence[int], *, dtype: str = "float16",
-                    max_length: int | None = None, batch_size: int = 8, progress: bool = True) -> Path:
-    """The feature cache of a regenerated data dir for these layers, computed first if missing."""
-    from drafters.data import load_regenerated
-
-    root = features_dir(data_dir, target_layer_ids, dtype, max_length)
-    if read_features_meta(root).get("complete"):
-        return root
-    data = load_regenerated(data_dir)
-    return compute_features(target, data["input_ids"], root, target_layer_ids=target_layer_ids, dtype=dtype,
-                            max_length=max_length, fingerprint=target_fingerprint(target.config),
-                            batch_size=batch_size, progress=progress)
-
-
 def read_features_meta(root: str | Path) -> dict:
     path = Path(root) / META
     if not path.is_file():
@@ -186,7 +172,7 @@ class FeatureStore:
         self.meta = read_features_meta(self.root)
         if not self.meta.get("complete"):
             raise FileNotFoundError(f"feature cache {self.root} is missing or incomplete; it is written by "
-                                    "drafters.features.compute_features (experiments.train does it first)")
+                                    "drafters.training.features.compute_features (experiments.train does it first)")
         self._arrays, self._offsets, self._first = [], [], [0]
         for part in _parts(self.root):
             try:
@@ -215,4 +201,4 @@ class FeatureStore:
         return torch.from_numpy(np.array(chunk, dtype=np.float32))  # a copy: the map stays read-only
 
 
-__all__ = ["HEAD", "FeatureStore", "compute_features", "ensure_features", "features_dir", "features_key"]
+__all__ = ["HEAD", "FeatureStore", "compute_features", "features_dir", "features_key"]

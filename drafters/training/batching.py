@@ -5,7 +5,7 @@ when ``prompt_len - 1 <= a <= length - 2``, so slot 1 of its block predicts colu
 
 Resuming: the training loader (:class:`ResumableLoader` over :class:`EpochShuffle`) is saved in Lightning's
 checkpoints (epoch, batches of it done), so a run killed mid-epoch and resumed sees the same batches in the same
-order as an uninterrupted one. Used through :mod:`drafters.data`, which re-exports these names.
+order as an uninterrupted one. Used through :mod:`drafters.training.datamodule`, which re-exports these names.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
 
     Returns ``input_ids (B, S) long`` (padding = ``pad_token_id``), ``attention_mask (B, S) long``,
     ``prompt_len (B,) long`` and ``length (B,) long``; rows with cached target ``features`` ((len, F)
-    tensors, see :mod:`drafters.features`) add ``features (B, S, F)``, zero at padding; likewise
+    tensors, see :mod:`drafters.training.features`) add ``features (B, S, F)``, zero at padding; likewise
     ``head_states`` (the target's final states, for soft labels).
     """
     if not rows:

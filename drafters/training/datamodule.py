@@ -12,7 +12,7 @@ Validation split: a stable fraction of the rows held out by a hash of their id
 (:func:`split_by_id`), so it never changes between runs that share a data dir.
 
 Anchors, batches and the resumable training loader (:func:`sample_anchors`, :func:`collate`,
-:class:`ResumableLoader`) live in :mod:`drafters.batching` and are re-exported here.
+:class:`ResumableLoader`) live in :mod:`drafters.training.batching` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from drafters.batching import EpochShuffle, ResumableLoader, collate, sample_anchors  # noqa: F401 (re-exported)
+from drafters.config import target_fingerprint
+from drafters.training.batching import EpochShuffle, ResumableLoader, collate, sample_anchors  # noqa: F401 (re-exported)
+from drafters.training.features import FeatureStore, compute_features, features_dir, read_features_meta
 
 SHARDS = "shards"
 META = "regen.json"
@@ -139,7 +141,7 @@ def split_by_id(ids: Sequence[str], fraction: float) -> tuple[list[int], list[in
 class RegenDataset(Dataset):
     """Rows of a regenerated dataset, cut to ``max_length`` tokens (rows left without a response
     token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int}``, plus
-    one (len, F) float tensor per :class:`drafters.features.FeatureStore` of the same rows and
+    one (len, F) float tensor per :class:`drafters.training.features.FeatureStore` of the same rows and
     ``max_length`` in ``features``, under its key (``{"features": store, "head_states": store}``)."""
 
     def __init__(self, data, indices: Sequence[int] | None = None, max_length: int | None = None,
@@ -185,10 +187,10 @@ class RegenDataModule(L.LightningDataModule):
         val_fraction: share of ids held out for validation (stable hash of the id).
         max_val_samples: cap on validation sequences (the first ones by id hash), None = all.
         num_workers, seed: DataLoader workers and the shuffling seed.
-        features_dir: a complete feature cache of this data dir (:mod:`drafters.features`); training
+        features_dir: a complete feature cache of this data dir (:mod:`drafters.training.features`); training
             batches then carry ``features`` and the module skips the target forward. Validation
             batches never do (the teacher-forced τ needs the target's logits).
-        head_states_dir: a complete cache of the target's final states (``drafters.features.HEAD``); training
+        head_states_dir: a complete cache of the target's final states (``drafters.training.features.HEAD``); training
             batches then carry ``head_states``, from which soft-label losses rebuild the target's logits.
     """
 
@@ -220,8 +222,6 @@ class RegenDataModule(L.LightningDataModule):
         self.val_set: RegenDataset | None = None
 
     def _store(self, root):
-        from drafters.features import FeatureStore
-
         store = FeatureStore(root)
         if store.meta.get("max_length") != self.max_length:
             raise ValueError(f"feature cache {root} was cut at max_length {store.meta.get('max_length')}, "
@@ -250,7 +250,7 @@ class RegenDataModule(L.LightningDataModule):
     def _loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
         """Training (``shuffle``): a :class:`ResumableLoader` over :class:`EpochShuffle`. Both loaders draw
         their workers' base seed from their own generator, not from torch's global random stream (which
-        a resumed run restores, :mod:`drafters.resume`)."""
+        a resumed run restores, :mod:`drafters.training.resume`)."""
         return (ResumableLoader if shuffle else DataLoader)(
             dataset, batch_size=batch_size, sampler=EpochShuffle(len(dataset), self.seed) if shuffle else None,
             num_workers=self.num_workers, collate_fn=functools.partial(collate, pad_token_id=self.pad_token_id),
@@ -272,3 +272,15 @@ class RegenDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self.per_rank(self.val_batch_size, "val_batch_size"), shuffle=False)
+
+
+def ensure_features(target, data_dir: str | Path, target_layer_ids: Sequence[int], *, dtype: str = "float16",
+                    max_length: int | None = None, batch_size: int = 8, progress: bool = True) -> Path:
+    """The feature cache of a regenerated data dir for these layers, computed first if missing."""
+    root = features_dir(data_dir, target_layer_ids, dtype, max_length)
+    if read_features_meta(root).get("complete"):
+        return root
+    data = load_regenerated(data_dir)
+    return compute_features(target, data["input_ids"], root, target_layer_ids=target_layer_ids, dtype=dtype,
+                            max_length=max_length, fingerprint=target_fingerprint(target.config),
+                            batch_size=batch_size, progress=progress)

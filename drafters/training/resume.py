@@ -1,7 +1,7 @@
 """Exact resume: what a Lightning checkpoint must hold besides weights and optimiser state so that a
 run killed at any step and resumed ends as the uninterrupted run would (bit-identical on CPU).
 
-* the training data's position: :class:`drafters.data.ResumableLoader` (Lightning saves it with the
+* the training data's position: :class:`drafters.training.datamodule.ResumableLoader` (Lightning saves it with the
   fit loop);
 * the global random streams (torch CPU and CUDA, numpy, Python's ``random``): :class:`RandomStreams`,
   a callback every training stage gets (:func:`experiments.pipeline.trainer.build_trainer`). They are
@@ -10,7 +10,7 @@ run killed at any step and resumed ends as the uninterrupted run would (bit-iden
   draws from them: the data loaders have their own generators, validation its seeded ones).
 
 The drafter's anchors need nothing here: each step draws them from a generator seeded by
-``(seed, step, rank)`` (:class:`drafters.module.DrafterLightningModule`). Everything is stored as
+``(seed, step, rank)`` (:class:`drafters.training.module.DrafterLightningModule`). Everything is stored as
 tensors, numbers and tuples, so the checkpoint still loads with ``weights_only=True``.
 """
 

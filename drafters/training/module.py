@@ -2,11 +2,11 @@
 
 Each step runs the frozen target once over the batch (no grad, ``output_hidden_states=True``; full
 logits only when the loss needs soft labels) or reads the batch's cached features, samples random
-anchors in every response and runs the drafter on all blocks at once (:mod:`drafters.blocks`), and
+anchors in every response and runs the drafter on all blocks at once (:mod:`drafters.training.blocks`), and
 applies the loss to the blocks that have labels.
 
 Validation measures, on held-out regenerated sequences (docs/method.md §4; the sums are in
-:mod:`drafters.validation`): ``val/loss`` and its components (the training objective on seeded
+:mod:`drafters.training.validation`): ``val/loss`` and its components (the training objective on seeded
 random anchors), ``val/tau_greedy`` and ``val/tau_soft`` (the teacher-forced τ of
 :mod:`drafters.tau`) and ``val/acc_slot<k>`` (teacher-forced top-1 accuracy of slot k).
 
@@ -22,16 +22,17 @@ import lightning as L
 import torch
 from torch import nn
 
-from drafters.blocks import run_target, select_blocks, slot_stats
-from drafters.compat import register_output_recording, strip_output_capturing_hooks
-from drafters.config import accepts_argument, check_same_config
-from drafters.optim import warmup_cosine, weight_decay_groups
+from drafters.config import accepts_argument
+from drafters.factory import check_same_config
 from drafters.tau import batch_tau_counts
-from drafters.validation import ValidationSums
-from drafters.vocab import TrainVocab
+from drafters.training.blocks import run_target, select_blocks, slot_stats
+from drafters.training.compat import register_output_recording, strip_output_capturing_hooks
+from drafters.training.optim import warmup_cosine, weight_decay_groups
+from drafters.training.validation import ValidationSums
+from drafters.training.vocab import TrainVocab
 
 # warmup_cosine stays importable from here: the configs (and saved runs' configs) name it
-# drafters.module.warmup_cosine.
+# drafters.training.module.warmup_cosine.
 __all__ = ["DrafterLightningModule", "warmup_cosine"]
 
 
@@ -39,7 +40,7 @@ class DrafterLightningModule(L.LightningModule):
     """Training hooks and logging for a block drafter; the target is frozen and never saved.
 
     Args:
-        drafter: a :class:`drafters.BlockDiffusionDrafter` attached to ``target``.
+        drafter: a :class:`drafters.model.DFlashDrafter` attached to ``target``.
         target: the frozen Hugging Face causal LM (kept outside the module tree: not in the state
             dict, not seen by DDP/FSDP; moved to the module's device when a step runs).
         loss: an ``nn.Module`` ``(logits (N,K,V), labels (N,K), mask (N,K), target_probs) ->
@@ -51,7 +52,7 @@ class DrafterLightningModule(L.LightningModule):
         seed: anchors of step s on rank r come from seed (seed, s, r), so a resumed run draws the
             same anchors it would have drawn.
         train_vocab_size: training logits over this many frequent response tokens only (a cheaper step;
-            :mod:`drafters.vocab`; set by :meth:`set_train_vocab`); None = the full vocabulary. Validation
+            :mod:`drafters.training.vocab`; set by :meth:`set_train_vocab`); None = the full vocabulary. Validation
             and drafting always use the full vocabulary.
         train_vocab_negatives: ids outside the candidate vocabulary scored each step (a sampled softmax).
     """
@@ -91,7 +92,7 @@ class DrafterLightningModule(L.LightningModule):
         super().__setstate__(state)
         register_output_recording(self.target)
 
-    # ---- the step's inputs (drafters.blocks) ----------------------------------------------------
+    # ---- the step's inputs (drafters.training.blocks) ----------------------------------------------------
 
     def _target_on_device(self) -> None:
         if next(self.target.parameters()).device != self.device:
@@ -102,7 +103,7 @@ class DrafterLightningModule(L.LightningModule):
 
     def context_states(self, batch, full_logits: bool):
         """``(states, target_logits)`` of a batch: its cached features (``batch["features"]``, see
-        :mod:`drafters.features`) when present and no logits are needed or the batch carries the target's
+        :mod:`drafters.training.features`) when present and no logits are needed or the batch carries the target's
         cached final states (``head_states``, the logits' source), else a target forward."""
         if "features" in batch and (not full_logits or "head_states" in batch):
             return batch["features"], None
@@ -111,7 +112,7 @@ class DrafterLightningModule(L.LightningModule):
         return out.hidden_states, out.logits
 
     def set_train_vocab(self, vocab_ids: torch.Tensor) -> None:
-        """The candidate vocabulary (V',) of the training loss (:func:`drafters.vocab.frequent_tokens`)."""
+        """The candidate vocabulary (V',) of the training loss (:func:`drafters.training.vocab.frequent_tokens`)."""
         self.train_vocab = TrainVocab.build(vocab_ids, self.drafter.vocab_size, self.train_vocab_negatives)
 
     def _blocks(self, batch, states, target_logits, generator, vocab=None):

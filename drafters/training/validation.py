@@ -1,4 +1,4 @@
-"""The validation metrics of :class:`drafters.module.DrafterLightningModule`, summed over an epoch.
+"""The validation metrics of :class:`drafters.training.module.DrafterLightningModule`, summed over an epoch.
 
 One ``torchmetrics`` metric holds float64 sums (summed over processes when it is computed) from
 which the ``val/...`` values are ratios:

@@ -1,6 +1,6 @@
 """One teacher-forced training step's inputs: the frozen target's pass and the blocks that have labels.
 
-Used by :class:`drafters.module.DrafterLightningModule` (training and validation steps) and by the
+Used by :class:`drafters.training.module.DrafterLightningModule` (training and validation steps) and by the
 training benchmark (``experiments/bench/train.py``), so both run exactly the same step.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from drafters.data import sample_anchors
-from drafters.vocab import TrainVocab, remap_labels
+from drafters.training.datamodule import sample_anchors
+from drafters.training.vocab import TrainVocab, remap_labels
 
 
 def slot_positions(anchors: torch.Tensor, num_slots: int, seq_len: int) -> torch.Tensor:
@@ -51,11 +51,11 @@ def select_blocks(
     """Drafter logits and labels of the blocks that have labels: (N, K, V), (N, K), (N, K), probs.
 
     ``num_anchors`` blocks per row are anchored at random response columns
-    (:func:`drafters.data.sample_anchors` with ``generator``). ``states``: the target's hidden states
+    (:func:`drafters.training.datamodule.sample_anchors` with ``generator``). ``states``: the target's hidden states
     (full HF tuple) or cached features (B, S, L*H). With ``soft``, the target's distributions at the
     blocks' slots (N, K, V) come from ``target_logits`` (B, S, V) or, when it is None, from the batch's cached
     ``head_states`` (B, S, H) through the frozen LM head; else probs is None. ``vocab``: a candidate
-    vocabulary (:class:`drafters.vocab.TrainVocab`): logits (N, K, V' + R) over the candidates and R sampled
+    vocabulary (:class:`drafters.training.vocab.TrainVocab`): logits (N, K, V' + R) over the candidates and R sampled
     negatives, labels as candidate indices, each block's labels cut at its first one outside; soft labels are
     then the target's distribution over those same columns (renormalised there, as the drafter's is).
     """
@@ -85,7 +85,7 @@ def slot_target_logits(drafter: nn.Module, batch: dict[str, torch.Tensor], targe
     """The target's logits at positions (rows, cols) (N, K), over ``columns`` (all when None): (N, K, V').
 
     From ``target_logits`` (B, S, V) when given, else from the batch's cached final states ``head_states``
-    (B, S, H) through the target's LM head (:data:`drafters.features.HEAD`), which the drafter shares."""
+    (B, S, H) through the target's LM head (:data:`drafters.training.features.HEAD`), which the drafter shares."""
     if target_logits is not None:
         picked = target_logits[rows, cols]  # (N, K, V)
         return picked if columns is None else picked[..., columns]
