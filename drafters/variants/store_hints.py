@@ -14,7 +14,7 @@ import torch
 from drafters.hints import HintStore
 
 #: Slots whose prompt-lookup hint rests on fewer tokens than this read the store's instead (a hint from the
-#: anchor token alone is mostly wrong: ``experiments.bench.hints``).
+#: anchor token alone is mostly wrong: docs/history.md, "Lookup hints").
 STORE_BELOW_NGRAM = 2
 
 

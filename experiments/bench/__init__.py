@@ -16,7 +16,6 @@ import resource
 from collections.abc import Iterable
 from pathlib import Path
 
-import hydra
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -31,14 +30,6 @@ def loss_configs(names: Iterable[str]) -> dict[str, DictConfig]:
     """``conf/loss/<name>.yaml`` of each name as ``experiments.train loss=<name>`` composes it."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return {name: compose(config_name="train", overrides=[f"loss={name}"]).loss for name in names}
-
-
-def drafter_factory(name: str, overrides: Iterable[str] = ()):
-    """``conf/drafter/<name>.yaml`` (with ``drafter.*`` overrides) as ``experiments.train drafter=<name>``
-    composes it, instantiated: a callable that builds a fresh drafter for a target."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"drafter={name}", *overrides]).drafter
-    return hydra.utils.instantiate(cfg)
 
 
 def loss_names() -> list[str]:
