@@ -480,9 +480,10 @@ def test_interleave_bench_runs_each_variant_each_round(tmp_path):
 
 
 def test_portable_override_writes_cache_and_runs_folders_by_their_variables(tmp_path, monkeypatch):
-    """Benchmarks' records name a data folder of the cache as $BLOCKDRAFT_CACHE/..., a run as $BLOCKDRAFT_RUNS/...,
+    """Records (benchmarks', choose_k's) name a data folder of the cache as $BLOCKDRAFT_CACHE/..., a run as $BLOCKDRAFT_RUNS/...,
     each override of a space-joined variant so, and leave other values as given."""
-    from experiments.bench import portable_override, write_record
+    from experiments.pipeline.paths import portable_override
+    from experiments.pipeline.records import write_record
 
     cache, runs = tmp_path / "cache", tmp_path / "runs"
     (cache / "regen" / "tiny" / "abc").mkdir(parents=True)
@@ -493,7 +494,7 @@ def test_portable_override_writes_cache_and_runs_folders_by_their_variables(tmp_
     assert portable_override(variant) == ("drafter.hint_data_dir=$BLOCKDRAFT_CACHE/regen/tiny/abc "
                                           "drafter.path=$BLOCKDRAFT_RUNS/train/x/drafter drafter.min_drafting_rows=3")
     assert portable_override(f"drafter.path={tmp_path}/missing") == f"drafter.path={tmp_path}/missing"
-    # a bench's arguments (choose_k's --data-dir, --drafter NAME=DIR)
+    # a script's arguments (choose_k's --data-dir, --drafter NAME=DIR)
     doc = write_record({"config": {"data_dir": f"{cache}/regen/tiny/abc", "rows": 4, "out": None,
                                    "drafter": [f"l2r_all={runs}/train/x/drafter"]}}, tmp_path / "r.json")
     assert doc["config"] == {"data_dir": "$BLOCKDRAFT_CACHE/regen/tiny/abc", "rows": 4, "out": None,
@@ -527,7 +528,8 @@ def test_training_runs_evaluate_with_the_drafters_inference_settings(tmp_path, m
 def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     """experiments.bench.draft_cost.measure: a positive median per drafter width and target width, the drafter's
     own_draft_tokens restored; the prefill leaves every row's anchor out of the cache."""
-    from experiments.bench import draft_cost, prefill
+    from experiments.bench import draft_cost
+    from experiments.pipeline.timing import prefill
 
     tok = _tokenizer()
     target = _target(tok)
