@@ -255,7 +255,8 @@ def run(args, argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     target = build_target(args.shape, args.device, dtype)
-    report = {"command": "python -m experiments.bench.scale " + " ".join(sys.argv[1:] if argv is None else argv), "machine": machine(args),
+    words = sys.argv[1:] if argv is None else argv
+    report = {"command": "python -m experiments.bench.scale " + " ".join(words), "machine": machine(args),
               "shape": args.shape, "target_config": SHAPES[args.shape], "dtype": args.dtype,
               "target_parameters": sum(p.numel() for p in target.parameters()),
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "note")},
