@@ -368,24 +368,6 @@ def test_the_flat_switches_of_older_configs_are_refused_naming_the_variant():
         _built(flat)
 
 
-def test_bench_drafters_are_the_confs():
-    """experiments.bench.drafter_factory builds what `experiments.train drafter=<name>` builds (the step
-    benchmark profiles the main job's layerwise design through it, not a restated copy)."""
-    from conftest import tiny_target
-
-    from experiments.bench import drafter_factory
-
-    GlobalHydra.instance().clear()
-    target = tiny_target(num_layers=3)
-    lw = drafter_factory("layerwise", ["drafter.block_size=8"])(target)
-    expected = _compose("train", ["drafter=layerwise", "drafter.block_size=8"]).drafter
-    assert lw.variant_names == ("layerwise",) and lw.variants["layerwise"].shifted and lw.config.block_size == 8
-    assert lw.config.num_layers == expected.num_layers and lw.config.target_layer_ids == (0, 1)
-    torch.testing.assert_close(lw.layers[1].mlp.down_proj.weight, target.model.layers[1].mlp.down_proj.weight)
-    dflash = drafter_factory("dflash", ["drafter.num_layers=2"])(target)
-    assert (dflash.variant_names, dflash.config.num_layers) == ((), 2)
-
-
 def _experiment_defaults(name: str) -> list:
     import yaml
 

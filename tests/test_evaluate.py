@@ -479,9 +479,10 @@ def test_interleave_bench_runs_each_variant_each_round(tmp_path):
 
 
 def test_portable_override_writes_cache_and_runs_folders_by_their_variables(tmp_path, monkeypatch):
-    """Benchmarks' records name a data folder of the cache as $BLOCKDRAFT_CACHE/..., a run as $BLOCKDRAFT_RUNS/...,
+    """Records (benchmarks', choose_k's) name a data folder of the cache as $BLOCKDRAFT_CACHE/..., a run as $BLOCKDRAFT_RUNS/...,
     each override of a space-joined variant so, and leave other values as given."""
-    from experiments.bench import portable_override, write_record
+    from experiments.pipeline.paths import portable_override
+    from experiments.pipeline.records import write_record
 
     cache, runs = tmp_path / "cache", tmp_path / "runs"
     (cache / "regen" / "tiny" / "abc").mkdir(parents=True)
@@ -492,7 +493,7 @@ def test_portable_override_writes_cache_and_runs_folders_by_their_variables(tmp_
     assert portable_override(variant) == ("drafter.hint_data_dir=$BLOCKDRAFT_CACHE/regen/tiny/abc "
                                           "drafter.path=$BLOCKDRAFT_RUNS/train/x/drafter drafter.min_drafting_rows=3")
     assert portable_override(f"drafter.path={tmp_path}/missing") == f"drafter.path={tmp_path}/missing"
-    # a bench's arguments (choose_k's --data-dir, --drafter NAME=DIR)
+    # a script's arguments (choose_k's --data-dir, --drafter NAME=DIR)
     doc = write_record({"config": {"data_dir": f"{cache}/regen/tiny/abc", "rows": 4, "out": None,
                                    "drafter": [f"l2r_all={runs}/train/x/drafter"]}}, tmp_path / "r.json")
     assert doc["config"] == {"data_dir": "$BLOCKDRAFT_CACHE/regen/tiny/abc", "rows": 4, "out": None,
@@ -523,46 +524,11 @@ def test_training_runs_evaluate_with_the_drafters_inference_settings(tmp_path, m
         ev.evaluate_training_run(cfg)
 
 
-def test_free_drafts_bench_replays_the_drafters_own_drafts(tmp_path):
-    """experiments.bench.free_drafts: the replayed decode keeps the recorded drafts (same τ, draft widths and step
-    count as the drafter's), calls no drafter, refuses sampling, and stops where a decode diverges from the record."""
-    from experiments.bench import free_drafts
-
-    out = tmp_path / "free.json"
-    base = ["drafter=prompt_lookup", "suite=humaneval", "suite.humaneval.limit=3", "max_new_tokens=8", "num_threads=1",
-            "progress=false"]
-    doc = free_drafts.main([*base, "--rounds", "1", "--out", str(out)])
-    assert json.loads(out.read_text()) == doc
-    (real,), (free,) = doc["results"]["humaneval"]["drafter"], doc["results"]["humaneval"]["free"]
-    assert free["tau"] == real["tau"] > 1 and free["mean_draft_width"] == real["mean_draft_width"]
-    summary = doc["summary"]["humaneval"]
-    assert summary["mean_speedup_free"] == free["speedup"] and summary["drafting_share"] < 1
-
-    class Drafter:
-        num_draft_tokens, vocab_size, target_layer_ids = 2, 10, ()
-        calls = 0
-
-        def draft(self, anchor_ids, anchor_position_ids, **sampling):
-            self.calls += 1
-            return anchor_ids[:, None].repeat(1, 2) + self.calls, None
-
-    drafter = Drafter()
-    records = free_drafts.record(drafter, lambda: [drafter.draft(torch.tensor([i, 5]), torch.tensor([0, 0]))
-                                                   for i in range(3)])
-    assert "draft" not in vars(drafter) and drafter.calls == 3  # the method is restored
-    replay = free_drafts.Replay(drafter, records)
-    assert replay.draft(torch.tensor([0, 5]), None)[0].tolist() == [[1, 1], [6, 6]]
-    assert replay.draft(torch.tensor([1, 5]), None)[0].tolist() == [[3, 3], [7, 7]] and drafter.calls == 3
-    with pytest.raises(RuntimeError, match="replay diverged at step 2"):
-        replay.draft(torch.tensor([9, 5]), None)
-    with pytest.raises(ValueError, match=r"greedy decodes only"):
-        free_drafts.main([*base, "temperatures=[1.0]", "--out", str(out)])
-
-
 def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     """experiments.bench.draft_cost.measure: a positive median per drafter width and target width, the drafter's
     own_draft_tokens restored; the prefill leaves every row's anchor out of the cache."""
-    from experiments.bench import draft_cost, prefill
+    from experiments.bench import draft_cost
+    from experiments.pipeline.timing import prefill
 
     tok = _tokenizer()
     target = _target(tok)

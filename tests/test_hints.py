@@ -84,58 +84,6 @@ def test_export_refuses_hinted_drafters(tmp_path):
         export_dflash(drafter, tmp_path / "out")
 
 
-def test_bench_hints_counts_each_anchors_accepts():
-    """experiments.bench.hints: per response anchor, the hint's accept is the correct prefix of what prompt
-    lookup drafts (brute force with verify's rule) and the drafter's is the correct prefix of its argmax
-    for that anchor alone, whatever the chunking and padding; by_hint groups them by hint accept."""
-    from experiments.bench.hints import accepts, by_hint, by_ngram, follow_hint_after, replay_tau
-
-    target = build_target("llama")
-    torch.manual_seed(2)
-    drafter = build_drafter(target, "hinted", block_size=5).eval()
-    k = drafter.config.num_draft_tokens
-    seqs = [[5, 6, 7, 8] * 4 + [5, 9, 6], [20, 21, 22, 23, 24, 20, 21, 25]]  # a loop that breaks; a short row
-    rows = []
-    for seq, prompt_len in zip(seqs, (3, 2)):
-        states = _run_target(target, torch.tensor([seq]))
-        feats = torch.cat(drafter.select_hidden_states(states), -1)[0]  # (S, L*H), as the feature cache stores
-        rows.append({"input_ids": seq, "prompt_len": prompt_len, "features": feats})
-    hint, draft, agree, ngram = accepts(drafter, rows, chunk=3)  # chunks smaller than a row's anchors
-    want_hint, want_draft, want_agree, want_ngram = [], [], [], []
-    for row in rows:
-        seq, states = row["input_ids"], _run_target(target, torch.tensor([row["input_ids"]]))
-        for a in range(row["prompt_len"] - 1, len(seq) - 1):
-            truth = seq[a + 1: a + 1 + k]
-            start = lookup_start(torch.tensor(seq[: a + 1]), 3, 1)
-            guess = copy_tokens(torch.tensor(seq[: a + 1]), start, k).tolist() if start < a else []  # a: no match
-            want_hint.append(next((i for i, (g, t) in enumerate(zip(guess, truth)) if g != t), min(len(guess), len(truth))))
-            with torch.no_grad():
-                logits = drafter.forward_train(states, torch.tensor([seq]), None, torch.tensor([[a]]))
-            argmax = logits[0, 0].argmax(-1).tolist()[: len(truth)]
-            want_draft.append(next((i for i, (g, t) in enumerate(zip(argmax, truth)) if g != t), len(truth)))
-            both = list(zip(logits[0, 0].argmax(-1).tolist(), guess))
-            want_ngram.append(_longest_match(seq[: a + 1], 3, 1))
-            want_agree.append(next((i for i, (g, h) in enumerate(both) if g != h), len(both)))
-    assert hint.tolist() == want_hint and draft.tolist() == want_draft and agree.tolist() == want_agree
-    assert ngram.tolist() == want_ngram and {1, 3} <= set(want_ngram)
-    assert max(want_hint) == k and 0 in want_hint  # the loop is copied whole somewhere, and breaks
-    table = by_hint(torch.tensor([0, 2, 2, 4]), torch.tensor([1, 2, 0, 4]), 4)
-    assert [r["blocks"] for r in table] == [1, 0, 2, 0, 1]
-    assert table[2] == {"hint_accept": 2, "blocks": 2, "drafter_mean_accept": 1.0, "drafter_at_least_hint": 0.5}
-    assert table[1]["drafter_mean_accept"] is None
-    hint_, draft_, agree_, found_ = torch.tensor([4, 4, 0, 0]), torch.tensor([1, 2, 3, 2]), torch.tensor([2, 1, 0, 0]), torch.tensor([1, 1, 1, 0])
-    assert follow_hint_after(hint_, draft_, agree_, found_, 2).tolist() == [4, 2, 3, 2]
-    assert follow_hint_after(hint_, draft_, agree_, found_, 0).tolist() == [4, 4, 0, 2]  # not found: the drafter's
-    ngram_ = torch.tensor([3, 1, 2, 0])  # match lengths: only hints from >= 2 tokens are copied
-    assert follow_hint_after(hint_, draft_, agree_, ngram_, 0, min_ngram=2).tolist() == [4, 2, 0, 2]
-    assert by_ngram(hint_, draft_, torch.tensor([3, 1, 3, 0])) == [
-        {"ngram": 0, "blocks": 1, "hint_mean_accept": 0.0, "drafter_mean_accept": 2.0},
-        {"ngram": 1, "blocks": 1, "hint_mean_accept": 4.0, "drafter_mean_accept": 2.0},
-        {"ngram": 3, "blocks": 2, "hint_mean_accept": 2.0, "drafter_mean_accept": 2.0}]
-    # row 1: accept 3 at its first anchor -> 4 tokens, then accept 1 -> 2 (the row's end); row 2: 1 + 1
-    assert replay_tau(torch.tensor([3, 0, 0, 0, 1, 0, 0, 0]), [6, 2]) == 8 / 4
-
-
 # ---- store hints: the weak slots read an n-gram store of the training answers -------------------------
 
 

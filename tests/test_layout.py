@@ -82,9 +82,36 @@ def test_experiments_top_level_holds_only_entry_points():
     assert top == {"main", "regenerate", "train", "evaluate", "report", "export", "train_target",
                    "target_quality", "train_assistant", "serve_check", "ablation_report"}
     assert all(is_entry_point(EXPERIMENTS / f"{name}.py") for name in top)
-    benches = {p.stem for p in (EXPERIMENTS / "bench").glob("*.py") if is_entry_point(p)}
-    assert benches == {"choose_k", "draft_cost", "free_drafts", "hints", "interleave", "interleave_plot", "learning", "learning_plot", "linear_layout", "lookup", "losses", "scale", "step", "step_parts", "suite_steps", "train",
-                       "verify"}
+
+
+def bench_gaps(bench: Path, doc: Path, tests: Path) -> list[str]:
+    """What a module of ``bench`` lacks: a section of ``doc`` headed by its name in backquotes, or a test file under
+    ``tests`` that imports it; and a section of ``doc`` that names no module."""
+    modules = {p.stem for p in bench.glob("*.py") if p.name != "__init__.py"}
+    sections = set(re.findall(r"^#+ `(\w+)`\s*$", doc.read_text(), flags=re.MULTILINE))
+    tested = set()
+    for path in tests.glob("test_*.py"):
+        tested |= {m.split(".")[2] for m in imported_modules(path, "tests") if m.startswith("experiments.bench.")}
+    return ([f"{m}: no section in {doc.name}" for m in sorted(modules - sections)]
+            + [f"{m}: no test imports it" for m in sorted(modules - tested)]
+            + [f"{s}: a section of {doc.name} without a module" for s in sorted(sections - modules)])
+
+
+def test_every_bench_is_documented_and_smoke_tested():
+    """Every module of experiments/bench/ is a tool a user runs: docs/bench.md says what it measures and how to run
+    it, and a test runs it."""
+    assert bench_gaps(EXPERIMENTS / "bench", ROOT / "docs" / "bench.md", ROOT / "tests") == []
+
+
+def test_the_bench_check_sees_an_undocumented_untested_module(tmp_path):
+    bench, tests = tmp_path / "bench", tmp_path / "tests"
+    bench.mkdir(), tests.mkdir()
+    for name in ("__init__", "cost", "orphan"):
+        (bench / f"{name}.py").write_text("")
+    (tmp_path / "bench.md").write_text("# Benchmarks\n\n### `cost`\n\n### `gone`\n")
+    (tests / "test_cost.py").write_text("def test_it():\n    from experiments.bench import cost\n")
+    assert bench_gaps(bench, tmp_path / "bench.md", tests) == [
+        "orphan: no section in bench.md", "orphan: no test imports it", "gone: a section of bench.md without a module"]
 
 
 def function_lengths(root: Path = EXPERIMENTS) -> dict[str, int]:

@@ -13,7 +13,7 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
     def fake_stage(name, module, overrides, log):
         calls.append((name, module, overrides))
         log["stages"].append({"stage": name, "seconds": 0.0})
-        if module == "experiments.bench.choose_k":
+        if module == "experiments.pipeline.choose_k":
             (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}, '
                                                    '"block_width": {"l2r_all": {"chosen_k": 2}}}')
         if module == "experiments.report":

@@ -138,10 +138,10 @@ def test_teacher_forced_tau_equals_online_tau(greedy_data, trained):
 
 
 def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, trained):
-    """experiments.bench.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, and its draft timing
+    """experiments.pipeline.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, and its draft timing
     covers each W."""
     from drafters.policy import DraftingPolicy, PolicyDrafter
-    from experiments.bench.choose_k import block_draft_ms, block_tau
+    from experiments.pipeline.choose_k import block_draft_ms, block_tau
 
     target, _, eval_ids, eval_mask = greedy_data
     drafter = trained[0].drafter.eval()

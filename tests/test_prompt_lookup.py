@@ -167,9 +167,9 @@ def test_random_prompts_batched_left_padded():
 
 
 def test_replay_on_greedy_output_counts_the_online_steps():
-    """experiments.bench.lookup replays the rule against stored greedy answers: it must count exactly the
+    """experiments.pipeline.replay.lookup_replay (choose_k's prompt lookup) replays the rule against stored greedy answers: it must count exactly the
     speculative steps that online decoding with PromptLookupDrafter takes (T=0), row by row."""
-    from experiments.bench.lookup import replay
+    from experiments.pipeline.replay import lookup_replay as replay
 
     target = next_token_target({5: 6, 6: 7, 7: 8, 8: 9, 9: 5, 11: 12, 12: 13, 13: 11})
     prompts = [[7, 8, 9, 30, 31, 5, 6, 7, 8, 9], [11, 12, 40, 13, 11], [5]]

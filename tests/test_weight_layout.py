@@ -77,14 +77,3 @@ def test_an_unknown_layout_is_named():
     with pytest.raises(ValueError, match="weight_layout: 'diagonal'"):
         set_weight_layout("diagonal", tiny_target("llama"))
 
-
-def test_the_layout_bench_times_both_layouts_and_writes_its_record(tmp_path):
-    import json
-
-    from experiments.bench import linear_layout
-
-    record = linear_layout.main(["--shapes", "8x4", "--rows", "1", "4", "--rounds", "4", "--out",
-                                 str(tmp_path / "l.json")])
-    assert set(record["median_ms"]) == {"8x4 rows=1", "8x4 rows=4"}
-    assert all(v["row_major"] > 0 and v["column_major"] > 0 for v in record["median_ms"].values())
-    assert json.loads((tmp_path / "l.json").read_text())["median_ms"] == record["median_ms"]

@@ -2,10 +2,10 @@
 ``F.linear`` hands BLAS a plain (untransposed) operand.
 
 On this CPU's BLAS, ``F.linear`` over a row-major weight falls off a cliff at 4 rows and more: SmolLM2's 576->1536
-projection costs several times more at 4 rows than at 3 (``experiments.bench.linear_layout``), which makes a target
-forward over 4+ verified columns cost far more than its arithmetic. A column-major weight has no such cliff. The
-values are untouched, so a model's outputs are those of the same matrix products (to float rounding of the BLAS
-kernel, like any change of batch shape).
+projection costs several times more at 4 rows than at 3 (``experiments/results/bench/weight_layout_smollm2.json``),
+which makes a target forward over 4+ verified columns cost far more than its arithmetic. A column-major weight has
+no such cliff. The values are untouched, so a model's outputs are those of the same matrix products (to float
+rounding of the BLAS kernel, like any change of batch shape).
 """
 
 from __future__ import annotations

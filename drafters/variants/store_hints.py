@@ -16,7 +16,7 @@ from drafters.hints import HintStore
 from drafters.model import Variant
 
 #: Slots whose prompt-lookup hint rests on fewer tokens than this read the store's instead (a hint from the
-#: anchor token alone is mostly wrong: ``experiments.bench.hints``).
+#: anchor token alone is mostly wrong: docs/history.md, "Lookup hints").
 STORE_BELOW_NGRAM = 2
 
 

@@ -23,9 +23,11 @@ from dataclasses import replace
 import torch
 
 from drafters.policy import DraftingPolicy, PolicyDrafter
-from experiments.bench import evaluation_config, prefill, with_defaults, write_record
+from experiments.bench import evaluation_config, with_defaults
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter
+from experiments.pipeline.records import write_record
+from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument
 from verify.layout import set_weight_layout
 

@@ -19,10 +19,12 @@ import shlex
 
 import torch
 
-from experiments.bench import evaluation_config, portable_override, with_defaults, write_record
+from experiments.bench import evaluation_config, with_defaults
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
+from experiments.pipeline.paths import portable_override
+from experiments.pipeline.records import write_record
 
 
 def summarize(rounds: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:

@@ -113,7 +113,7 @@ def bench_vocab(losses: dict, N: int, K: int, V: int, H: int, repeats: int) -> d
     return out
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("BLOCKDRAFT_RUNS", "runs"), "bench_losses.json"))
     parser.add_argument("--blocks", type=int, default=512)
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--configs", nargs="+", default=None, help="conf/loss names (default: all)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -152,6 +152,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}")
+    return result
 
 
 if __name__ == "__main__":

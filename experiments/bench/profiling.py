@@ -1,4 +1,4 @@
-"""Where the time of one speculative step goes: the step clock behind ``experiments.bench.step`` and ``suite_steps``.
+"""Where the time of one speculative step goes: the step clock behind ``experiments.bench.suite_steps``.
 
 :func:`verify.generate._decode` takes an optional *clock* whose ``start()`` it calls when a decode
 begins, ``lap(name)`` at the end of each part of a step (``draft``, ``target_forward``, ``verify``, ``bookkeeping``, ``select_rows``,
@@ -9,10 +9,9 @@ attributed to the lap they fall in: ``lm_head@verify``). Everything here runs th
 loop: a profiled step is a step of :func:`verify.speculative_generate`.
 
 A *variant* is a drafter (None: target-only decoding), a sampling temperature and extra ``_decode``
-keyword arguments; variants run in one process, interleaved (round by round, so that load from other
-processes hits them alike). Costs are medians over the steps of several decodes. The break-even τ
-of a speculative step is its cost over a target-only step of the same version at the same batch
-(every row gains τ tokens per speculative step, 1 per target step).
+keyword arguments; :func:`profile_decode` returns the laps of one decode of a variant, step by step, and
+:func:`summarize_steps` their medians per part. The break-even τ of a speculative step is its cost over a
+target-only step at the same batch (every row gains τ tokens per speculative step, 1 per target step).
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ import torch
 
 import verify.generate
 import verify.hf
-
-TARGET_ONLY = "target"
 
 
 class StepClock:
@@ -164,103 +161,3 @@ def summarize_steps(steps: Sequence[dict], suffix: str = "ms") -> dict:
     totals = [sum(v for k, v in s.items() if "@" not in k) for s in steps]
     out[f"total_{suffix}"] = 1e3 * statistics.median(totals)
     return out
-
-
-def profile_steps(target, variants: dict[str, Variant], batches: dict, max_new_tokens: int, rounds: int,
-                  skip: int = 4) -> dict:
-    """``{batch name: {variant: summary}}`` for every variant on every batch in ``batches``
-    ({name: [(input_ids, attention_mask), ...]}), interleaved round by round."""
-    steps = {b: {v: ([], []) for v in variants} for b in batches}
-    for inputs in batches.values():  # one warm-up decode per variant and batch
-        for variant in variants.values():
-            ids, mask = inputs[0]
-            profile_decode(target, variant, ids, mask, min(max_new_tokens, skip + 4), 0)
-    for _ in range(rounds):
-        for batch_name, inputs in batches.items():
-            for name, variant in variants.items():
-                for ids, mask in inputs:
-                    wall, cpu = profile_decode(target, variant, ids, mask, max_new_tokens, skip)
-                    steps[batch_name][name][0].extend(wall)
-                    steps[batch_name][name][1].extend(cpu)
-    return {b: {v: {"steps": len(wall), **summarize_steps(wall), **summarize_steps(cpu, "cpu_ms")}
-                for v, (wall, cpu) in per.items()} for b, per in steps.items()}
-
-
-def target_only_name(name: str) -> str:
-    """The target-only variant of the same group and temperature: ``spec_K15_T1`` -> ``target_T1``,
-    ``a/spec_K15`` -> ``a/target``."""
-    prefix, _, base = name.rpartition("/")
-    suffix = "_T" + base.split("_T", 1)[1] if "_T" in base else ""
-    return (prefix + "/" if prefix else "") + TARGET_ONLY + suffix
-
-
-def is_target_only(name: str) -> bool:
-    return name.rpartition("/")[2].startswith(TARGET_ONLY)
-
-
-def break_even(summary: dict, key: str = "total_ms") -> dict:
-    """Per speculative variant: its step cost over the same version's target-only step = the τ it
-    needs to break even."""
-    return {name: s[key] / summary[target_only_name(name)][key] for name, s in summary.items()
-            if not is_target_only(name) and target_only_name(name) in summary}
-
-
-# --------------------------------------------------------------------------------------------------
-# End to end
-
-
-def end_to_end(target, variants: dict[str, Variant], batches: Sequence, max_new_tokens: int, rounds: int,
-               eos_token_id=None) -> dict:
-    """Greedy tokens/s of every variant over the same batches, interleaved batch by batch and round by
-    round; medians over rounds of the summed wall (and CPU) seconds.
-
-    Returns per variant tokens/s and new tokens; per speculative variant also τ, speedup (its
-    tokens/s over the same version's target-only), the break-even τ (τ / speedup: the τ at which it
-    would match target-only speed) and whether its tokens equal target-only's; ``*_cpu`` the same
-    from this process's CPU time.
-    """
-    wall: dict[str, list[float]] = {n: [] for n in variants}
-    cpu: dict[str, list[float]] = {n: [] for n in variants}
-    tokens: dict[str, int] = dict.fromkeys(variants, 0)
-    steps: dict[str, int] = dict.fromkeys(variants, 0)
-    outputs: dict[str, list] = {n: [] for n in variants}
-    for r in range(rounds + 1):  # round 0 warms up
-        round_wall, round_cpu = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, 0.0)
-        for ids, mask in batches:
-            for name, v in variants.items():
-                start_cpu = time.process_time()
-                if v.drafter is None:
-                    out = v.generate.target_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                                     eos_token_id=eos_token_id)
-                else:
-                    out = v.generate.speculative_generate(target, v.drafter, ids, attention_mask=mask,
-                                                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-                round_cpu[name] += time.process_time() - start_cpu
-                round_wall[name] += out.wall_time
-                if r == 0:
-                    tokens[name] += out.num_new_tokens
-                    steps[name] += out.num_target_forwards
-                    outputs[name].extend(out.new_tokens)
-        if r > 0:
-            for name in variants:
-                wall[name].append(round_wall[name])
-                cpu[name].append(round_cpu[name])
-    result = {}
-    for name, v in variants.items():
-        result[name] = {"tokens_per_s": tokens[name] / statistics.median(wall[name]),
-                        "tokens_per_cpu_s": tokens[name] / statistics.median(cpu[name]),
-                        "new_tokens": tokens[name], "seconds": [round(s, 4) for s in wall[name]]}
-    for name, v in variants.items():
-        base = target_only_name(name)
-        if v.drafter is None or base not in result:
-            continue
-        r, b = result[name], result[base]
-        tau = tokens[name] / steps[name]
-        r.update({
-            "tau": tau, "speedup": r["tokens_per_s"] / b["tokens_per_s"],
-            "speedup_cpu": r["tokens_per_cpu_s"] / b["tokens_per_cpu_s"],
-            "identical_to_target": outputs[name] == outputs[base],
-        })
-        r["break_even_tau"] = tau / r["speedup"]
-        r["break_even_tau_cpu"] = tau / r["speedup_cpu"]
-    return result

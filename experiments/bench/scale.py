@@ -249,13 +249,14 @@ def machine(args) -> dict:
     return info
 
 
-def run(args) -> dict:
+def run(args, argv=None) -> dict:
     from drafters import factory
 
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     target = build_target(args.shape, args.device, dtype)
-    report = {"command": "python -m experiments.bench.scale " + " ".join(sys.argv[1:]), "machine": machine(args),
+    words = sys.argv[1:] if argv is None else argv
+    report = {"command": "python -m experiments.bench.scale " + " ".join(words), "machine": machine(args),
               "shape": args.shape, "target_config": SHAPES[args.shape], "dtype": args.dtype,
               "target_parameters": sum(p.numel() for p in target.parameters()),
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "note")},
@@ -276,17 +277,18 @@ def run(args) -> dict:
     return report
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run(args)
+    report = run(args, argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("regeneration", "prefill", "verification", "train_cached",
                                              "train_on_the_fly", "total_s")}, indent=1))
     print(f"[bench_scale] wrote {out}", flush=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ import argparse
 
 import torch
 
-from experiments.bench import evaluation_config, with_defaults, write_record
+from experiments.bench import evaluation_config, with_defaults
 from experiments.bench.profiling import StepClock, device_sync, timed_parts
 from experiments.data.suites import load_suites
 from experiments.data.target import load_target
 from experiments.pipeline.evaluation import build_drafter, evaluate_suite
+from experiments.pipeline.records import write_record
 
 
 def per_step_ms(clock: StepClock, steps: int) -> dict[str, float]:

@@ -148,7 +148,7 @@ def bench_validation(target, args, batch) -> dict:
     return {"s_per_batch": wall, "cpu_s_per_batch": time.process_time() - c0, "anchors_per_s": anchors / wall}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HF model folder (default: the embedded tiny target, if trained)")
     p.add_argument("--losses", nargs="+", default=list(LOSSES))
@@ -169,7 +169,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="runs/bench_train.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.target or (str(TINY_TARGET_DIR) if (TINY_TARGET_DIR / "config.json").is_file() else None)
@@ -196,6 +196,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"[bench_train] wrote {out}", flush=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
   :mod:`.settings`: :class:`~.settings.DecodingSettings`; :mod:`.eval_drafters`: what is evaluated);
 * :mod:`.export`: a trained drafter in the DFlash serving format;
 * :mod:`.records`: results.json and the run folders' records;
-* :mod:`.main_job`: the README's main job, stage after stage;
+* :mod:`.main_job`: the README's main job, stage after stage; :mod:`.choose_k`: its stage that picks each
+  baseline's K and each drafter's verified width on held-out training answers (:mod:`.timing`: a primed drafter);
 * :mod:`.assistant`, :mod:`.target_training`, :mod:`.target_quality`: the shipped AR assistant and tiny target.
 """

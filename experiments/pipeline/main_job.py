@@ -10,7 +10,7 @@ By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-1
    answers, :mod:`experiments.pipeline.replay`) and T=1 (decoded, batch 8; ``evaluate_overrides``), then the
    drafters of ``speed_drafters`` again at batch 1, T=0, against the target alone (``speed_overrides``), each
    baseline at the K and each trained drafter verifying the W chosen on held-out training answers
-   (``experiments.bench.choose_k``);
+   (``experiments.pipeline.choose_k``);
 4. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots.
 
 Each stage runs as its own entry point (a subprocess, its own Hydra run dir under this job's run
@@ -104,7 +104,7 @@ def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict)
 
 def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str, int]:
     """With ``choose_k``: each of prompt_lookup and ar_assistant's best K on the held-out training answers
-    (``experiments.bench.choose_k``, ``<run dir>/choose_k.json``); ``{}`` without."""
+    (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``); ``{}`` without."""
     wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
     if not cfg.get("choose_k") or not wanted:
         return {}
@@ -118,7 +118,7 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str
     for loss in _timed(cfg, cfg.losses):
         args += ["--drafter", f"{loss}={run_dir / 'train' / loss / 'drafter'}"]
     if not out.is_file():  # a resumed job keeps the K it chose
-        stage("choose K", "experiments.bench.choose_k", args, log)
+        stage("choose K", "experiments.pipeline.choose_k", args, log)
     chosen = json.loads(out.read_text())
     widths = {name: int(c["chosen_k"]) for name, c in chosen.get("block_width", {}).items()}
     return {b: int(chosen[b]["chosen_k"]) for b in wanted if b in chosen} | widths

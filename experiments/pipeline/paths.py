@@ -42,3 +42,21 @@ def runs_path(path: str | Path) -> str:
     if not inside(full, REPO) and runs and inside(full, Path(runs).expanduser().resolve()):
         return "/".join(["$BLOCKDRAFT_RUNS", *full.relative_to(Path(runs).expanduser().resolve()).parts])
     return portable_path(path)
+
+
+def portable_override(override: str) -> str:
+    """``key=value`` with a value that names an existing file or folder written as committed records write paths
+    (``$BLOCKDRAFT_CACHE/...`` inside the data cache); several overrides joined by spaces, each so."""
+    if " " in override:
+        return " ".join(portable_override(o) for o in override.split(" ") if o)
+    key, sep, value = override.partition("=")
+    return f"{key}={portable_value(value)}" if sep else override
+
+
+def portable_value(value: str) -> str:
+    """A value naming an existing file or folder as committed records write paths (``$BLOCKDRAFT_CACHE/...``,
+    ``$BLOCKDRAFT_RUNS/...``); other values as given."""
+    if not (value and Path(value).expanduser().exists()):
+        return value
+    cached = cache_path(value)
+    return cached if cached != value else runs_path(value)

@@ -4,22 +4,26 @@
   that must agree for a resume (:func:`check_resumable`), the target's description, the suites'
   digests, the git commit, the metric names sent to the logger;
 * training run folders (written by :mod:`experiments.pipeline.training`): which loss, name and seed a
-  run had (:func:`training_run_info`, read from ``.hydra/`` and ``train_summary.json``).
+  run had (:func:`training_run_info`, read from ``.hydra/`` and ``train_summary.json``);
+* any script's JSON record (:func:`write_record`: the machine it ran on, the paths it names written portably).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from drafters.model import target_fingerprint
 from experiments.data.suites import Prompt
+from experiments.pipeline.paths import portable_override, portable_value
 
 RESULTS_FORMAT = 1
 # Settings that change the numbers: a run dir's results.json is only resumed when these agree.
@@ -145,3 +149,28 @@ def training_run_info(run_dir: str | Path) -> dict | None:
         except (OSError, json.JSONDecodeError):
             pass
     return {"run_dir": str(run_dir.resolve()), "loss": loss_choice(run_dir), "name": name, "seed": config.get("seed")}
+
+
+def _portable_argument(value):
+    """A script argument with the paths it names written portably: a path, ``name=path`` or a list of them."""
+    if isinstance(value, list):
+        return [_portable_argument(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    return portable_override(value) if "=" in value else portable_value(value)
+
+
+def write_record(doc: dict, out: str | Path) -> dict:
+    """``doc`` with ``machine`` (platform, torch, threads) added and its ``overrides`` written portably
+    (:func:`portable_override`), written as JSON to ``out`` (its folder made)."""
+
+    doc = {**doc, "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                              "threads": torch.get_num_threads()}}
+    if "overrides" in doc:
+        doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
+    if isinstance(doc.get("config"), dict):  # a script's arguments: paths written as the overrides' are
+        doc["config"] = {k: _portable_argument(v) for k, v in doc["config"].items()}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc

@@ -69,6 +69,13 @@ def lookup_leads(ids: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int 
 
 
 @torch.no_grad()
+def lookup_replay(prompt: list[int], response: list[int], num_draft_tokens: int, max_ngram: int, min_ngram: int) -> int:
+    """Speculative steps prompt lookup (:class:`verify.PromptLookupDrafter`'s rule) needs to emit ``response`` after
+    ``prompt`` under greedy verification (:mod:`experiments.pipeline.choose_k`)."""
+    ids = list(prompt) + list(response)
+    return len(greedy_walk(lookup_leads(ids, num_draft_tokens, max_ngram, min_ngram), len(prompt), len(ids))[0])
+
+
 def assistant_leads(model: torch.nn.Module, ids: Sequence[int], k: int) -> list[int]:
     """An autoregressive assistant's ``lead[a]`` at every column of ``ids``: its greedy drafts from column a
     equal its teacher-forced argmax as long as they are right."""

@@ -1,11 +1,11 @@
 """The K that serves each baseline best, and the width W a trained block drafter verifies best, chosen on held-out
-training answers (never on the suites).
+training answers (never on the suites): a stage of the main job (:mod:`.main_job`), runnable on its own.
 
-    python -m experiments.bench.choose_k --data-dir <regenerated data> --target <HF folder> \\
+    python -m experiments.pipeline.choose_k --data-dir <regenerated data> --target <HF folder> \\
         [--assistant <HF folder>] [--drafter NAME=<drafter dir> ...] [--ks 2 3 4 5 7 10 15] [--out runs/choose_k.json]
 
 On greedy data the stored answers are the target's own greedy output, so a drafter's τ at T=0 on them is exact
-without running the target: prompt lookup is replayed (:func:`experiments.bench.lookup_replay`), the assistant's
+without running the target: prompt lookup is replayed (:func:`experiments.pipeline.replay.lookup_replay`), the assistant's
 drafts are its teacher-forced argmax (right while the earlier drafts were right; :mod:`experiments.pipeline.replay`). A step
 costs the target's forward over K + 1 new columns plus the drafting (the assistant: K one-token forwards), timed at
 batch 1 over a 200-column cache, interleaved round by round. The estimated speedup over the target alone is
@@ -28,10 +28,10 @@ from drafters import factory
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import load_regenerated, split_by_id
-from experiments.bench import lookup_replay as replay
-from experiments.bench import prefill, write_record
 from experiments.data.target import load_target
-from experiments.pipeline.replay import assistant_leads, block_leads
+from experiments.pipeline.records import write_record
+from experiments.pipeline.replay import assistant_leads, block_leads, lookup_replay
+from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument, new_growing_kv_cache
 
 
@@ -42,7 +42,7 @@ def held_out_rows(data_dir: str, fraction: float, limit: int) -> list[tuple[list
 
 
 def lookup_tau(rows, k: int) -> float:
-    steps = sum(replay(ids[:cut], ids[cut:], k, 3, 1) for ids, cut in rows)
+    steps = sum(lookup_replay(ids[:cut], ids[cut:], k, 3, 1) for ids, cut in rows)
     return sum(len(ids) - cut for ids, cut in rows) / steps
 
 
