@@ -218,10 +218,8 @@ class VLLMBackend:
 
 
 def _openai_client(endpoint: str, api_key: str | None, timeout_s: float, retries: int, backoff_s: float):
-    """The openai client for ``endpoint``: ``retries`` retries of refused connections, timeouts and HTTP
-    408/409/429/5xx after ``backoff_s * 2**k`` seconds; loopback endpoints never go through a proxy from the
-    environment. Without ``api_key`` it sends the placeholder key local servers ignore (never
-    ``$OPENAI_API_KEY`` unless data.backend.api_key names it)."""
+    """The openai client for ``endpoint``, retrying after ``backoff_s * 2**k`` seconds; loopback endpoints never
+    go through a proxy from the environment. Without ``api_key``: a placeholder key, which local servers ignore."""
     import openai
 
     class Client(openai.OpenAI):
@@ -233,11 +231,6 @@ def _openai_client(endpoint: str, api_key: str | None, timeout_s: float, retries
     http = openai.DefaultHttpxClient(trust_env=False) if host in {"127.0.0.1", "localhost", "::1"} else None
     return Client(base_url=endpoint, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=retries,
                   http_client=http)
-
-
-def _retried(status: int) -> bool:
-    """Whether the openai client retries an answer of HTTP ``status``."""
-    return status in (408, 409, 429) or status >= 500
 
 
 class OpenAIBackend:
@@ -272,7 +265,7 @@ class OpenAIBackend:
             return send().content
         except openai.APIStatusError as e:
             detail = e.response.text[:300]
-            if _retried(e.status_code):
+            if e.status_code in (408, 409, 429) or e.status_code >= 500:  # the client retried it
                 raise EndpointError(self._failed(method, path, f"HTTP {e.status_code}: {detail}")) from None
             raise EndpointError(f"data.backend.endpoint={self.endpoint}: {method} {self.endpoint}{path} answered "
                                 f"HTTP {e.status_code}: {detail} (the request carries data.backend.model="
@@ -280,13 +273,6 @@ class OpenAIBackend:
         except openai.APIConnectionError as e:  # refused, unreachable, timed out, connection reset
             cause = e.__cause__ or e
             raise EndpointUnreachable(self._failed(method, path, f"{type(cause).__name__}: {cause}")) from None
-
-    def _post_chat(self, payload: dict):
-        """``POST <endpoint>/chat/completions`` with ``payload`` as its JSON (the fields the openai client does
-        not type go as its extra body), the raw answer."""
-        rest = {k: v for k, v in payload.items() if k not in ("model", "messages")}
-        return self._client.chat.completions.with_raw_response.create(
-            model=payload["model"], messages=payload["messages"], extra_body=rest)
 
     def _failed(self, method: str, path: str, why: str) -> str:
         return (f"data.backend.endpoint={self.endpoint}: {method} {path} failed {self.retries + 1} times ({why}); "
@@ -401,8 +387,10 @@ class OpenAIBackend:
         return Answer(cut_after_eos(ids, self.eos), source, mismatch)
 
     def _answer_one(self, prompt: Prompt, gen) -> Answer:
-        payload = self.payload(prompt, gen)
-        body = self._call("POST", "/chat/completions", lambda: self._post_chat(payload))
+        payload, chat = self.payload(prompt, gen), self._client.chat.completions.with_raw_response
+        rest = {k: v for k, v in payload.items() if k not in ("model", "messages")}  # untyped: extra body
+        body = self._call("POST", "/chat/completions", lambda: chat.create(
+            model=payload["model"], messages=payload["messages"], extra_body=rest))
         data = self._json(body, f"POST /chat/completions (prompt {prompt.id})")
         return self._to_answer(self._check_answer(data, prompt))
 
