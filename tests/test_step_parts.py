@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_target
 
 from drafters import BlockDiffusionDrafter
 from experiments.bench.step_parts import OneProductHead, ScriptedDrafts, load_verify_at
 from verify import speculative_generate, target_generate
+
+pytestmark = pytest.mark.slow
 
 
 def test_scripted_drafts_keep_the_asked_number_and_the_old_verifier_agrees():
