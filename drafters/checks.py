@@ -16,7 +16,9 @@ config fields blockdraft reads, and which target's weights it was trained for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import types
 import typing
 import warnings
@@ -24,7 +26,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import torch
+import typing_extensions
 from torch import nn
 
 WEIGHTS_KEY = "weights_sha1"  # the key of the weights signature in a drafter's target_fingerprint
@@ -62,27 +66,9 @@ def _describe(hint: Any) -> str:
             type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def matches(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a type annotation (a list fits a tuple; an integer fits a float; a bool is
-    never a number)."""
-    if hint is Any:
-        return True
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(matches(value, a) for a in args)
-    if origin in (tuple, list):
-        return isinstance(value, (list, tuple)) and all(matches(v, args[0]) for v in value if args)
-    if origin is dict or hint is dict:
-        return isinstance(value, dict) and (not args or all(matches(v, args[1]) for v in value.values()))
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is type(None):
-        return value is None
-    return isinstance(value, hint) if isinstance(hint, type) else True
+@functools.cache
+def _schema(kinds: tuple[tuple[str, Any], ...]) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(typing_extensions.TypedDict("Fields", dict(kinds), total=False))
 
 
 def _refuse_type(source: Any, name: str, value: Any, hint: Any) -> ConfigTypeError:
@@ -90,18 +76,27 @@ def _refuse_type(source: Any, name: str, value: Any, hint: Any) -> ConfigTypeErr
                            f"{_describe(hint)}; correct the file or re-create it")
 
 
+def _check(kinds: Mapping[str, Any], fields: Any, source: Any, prefix: str = "", skip_none: bool = False) -> None:
+    """Refuse the first field of ``fields`` (a mapping read from JSON; anything else is left alone) whose value
+    does not fit its type in ``kinds`` (pydantic's strict validation as JSON: a list fits a tuple, an integer fits a
+    float, a bool is never a number); ``prefix`` goes before the field's name in the message."""
+    if not isinstance(fields, Mapping):
+        return
+    present = {k: fields[k] for k in kinds if k in fields and not (skip_none and fields[k] is None)}
+    try:
+        _schema(tuple(kinds.items())).validate_json(json.dumps(present, default=str), strict=True)
+    except pydantic.ValidationError as e:
+        name = e.errors()[0]["loc"][0]
+        raise _refuse_type(source, prefix + name, fields[name], kinds[name]) from None
+
+
 def check_fields(cls: type, data: Mapping[str, Any], source: Any) -> None:
     """Refuse a field of ``data`` (a saved ``cls`` dataclass, e.g. a drafter's ``config.json`` at ``source``)
     whose value does not fit the field's annotation, and in ``target_fingerprint`` one that does not fit
     :data:`FINGERPRINT_TYPES`. Unknown and missing fields are left to ``cls`` itself."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in data and not matches(data[f.name], hints[f.name]):
-            raise _refuse_type(source, f.name, data[f.name], hints[f.name])
-    fingerprint = data.get("target_fingerprint")
-    for key, kind in FINGERPRINT_TYPES.items():
-        if isinstance(fingerprint, Mapping) and key in fingerprint and not matches(fingerprint[key], kind):
-            raise _refuse_type(source, f"target_fingerprint.{key}", fingerprint[key], kind)
+    _check({f.name: hints[f.name] for f in dataclasses.fields(cls)}, data, source)
+    _check(FINGERPRINT_TYPES, data.get("target_fingerprint"), source, "target_fingerprint.")
 
 
 def check_target_config(config: Any, source: Any = None) -> None:
@@ -115,10 +110,7 @@ def check_target_config(config: Any, source: Any = None) -> None:
     nested = data.get("text_config")  # multimodal configs nest the language model's
     nested = nested if isinstance(nested, Mapping) else getattr(nested, "__dict__", {})
     for prefix, fields in (("", data), ("text_config.", nested)):
-        for name, kind in TARGET_FIELD_TYPES.items():
-            value = fields.get(name)
-            if value is not None and not matches(value, kind):
-                raise _refuse_type(source, prefix + name, value, kind)
+        _check(TARGET_FIELD_TYPES, fields, source, prefix, skip_none=True)
 
 
 # DFlash-format config.json fields blockdraft reads beyond the target-style ones (drafters/dflash.py).
@@ -131,13 +123,9 @@ def check_dflash_fields(raw: Mapping[str, Any], source: Any) -> None:
     ``dflash_config``'s settings (also read at the top level) and blockdraft's recorded target fingerprint."""
     check_target_config(raw, source)
     for prefix, fields in (("", raw), ("dflash_config.", raw.get("dflash_config") or {})):
-        for name, kind in DFLASH_FIELD_TYPES.items():
-            if isinstance(fields, Mapping) and fields.get(name) is not None and not matches(fields[name], kind):
-                raise _refuse_type(source, prefix + name, fields[name], kind)
+        _check(DFLASH_FIELD_TYPES, fields, source, prefix, skip_none=True)
     recorded = (raw.get("blockdraft") or {}).get("target_fingerprint") or {}
-    for key, kind in FINGERPRINT_TYPES.items():
-        if key in recorded and not matches(recorded[key], kind):
-            raise _refuse_type(source, f"blockdraft.target_fingerprint.{key}", recorded[key], kind)
+    _check(FINGERPRINT_TYPES, recorded, source, "blockdraft.target_fingerprint.")
 
 
 def legacy_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
@@ -209,4 +197,4 @@ def check_target_weights(fingerprint: Mapping[str, Any], target: nn.Module, sour
 
 __all__ = ["DFLASH_FIELD_TYPES", "FINGERPRINT_TYPES", "OVERRIDE", "TARGET_FIELD_TYPES", "WEIGHTS_KEY",
            "ConfigTypeError", "TargetMismatchError", "check_dflash_fields", "check_fields", "check_target_config",
-           "check_target_weights", "legacy_fingerprint", "matches", "target_weights_sha1"]
+           "check_target_weights", "legacy_fingerprint", "target_weights_sha1"]

@@ -1,11 +1,11 @@
 """Folders owned by one process at a time, and files checked before they are trusted.
 
-Locks. A folder (a regenerated data dir, a feature cache, a training run dir) is owned through
-``<folder>/.lock``: an ``flock`` on that file plus its contents, ``{"pid", "host", "since", "argv"}``,
-which name the owner in messages. The kernel drops the ``flock`` when its process dies, so a lock
-left behind by a killed job is free: the next job takes it over and says whose it was. Released
-locks are emptied, never deleted (deleting a locked file lets two processes lock two different
-files of the same name). One process may take the same lock again (nested ``with``): it is counted.
+Locks. A folder (a regenerated data dir, a feature cache, a training run dir) is owned through two files:
+``<folder>/.lock.flock``, locked with the ``filelock`` package (its contents are that package's), and
+``<folder>/.lock``, the owner's record ``{"pid", "host", "since", "argv"}``, which names the owner in
+messages. The kernel drops the lock when its process dies, so a lock left behind by a killed job is free:
+the next job takes it over and says whose it was (from the record it left). Released records are marked
+``"released"``, never deleted. One process may take the same lock again (nested ``with``): it is counted.
 
 * :func:`hold` with ``wait=False`` refuses (:class:`FolderBusyError`, naming the owner's pid, host
   and start time) when another process owns the folder;
@@ -18,7 +18,6 @@ Damaged files. :func:`read_json`, :func:`check_safetensors` and :func:`read_chec
 from __future__ import annotations
 
 import datetime
-import fcntl
 import hashlib
 import json
 import os
@@ -30,7 +29,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK_NAME = ".lock"
+from filelock import FileLock, Timeout
+
+LOCK_NAME = ".lock"  # the owner's record
+KERNEL_LOCK_NAME = ".lock.flock"  # the file the kernel lock is taken on
 
 
 class FolderBusyError(RuntimeError):
@@ -41,7 +43,7 @@ class DamagedFileError(ValueError):
     """A file exists but cannot be read as what it should be (truncated, garbage)."""
 
 
-_held: dict[str, tuple[int, int]] = {}  # resolved lock path -> (fd, depth) in this process
+_held: dict[str, tuple[FileLock, int]] = {}  # resolved record path -> (its lock, depth) in this process
 
 
 def _read_owner(path: Path) -> dict:
@@ -68,39 +70,49 @@ def _pid_alive(pid) -> bool:
     return True
 
 
-def _try_lock(path: Path) -> tuple[int | None, dict]:
-    """``(fd, previous owner)`` when the lock was taken, ``(None, owner)`` when someone holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _live_elsewhere(owner: dict) -> bool:
+    """The record names a live process of this host other than this one, and was not released."""
+    return bool(owner) and owner.get("host") == socket.gethostname() and owner.get("pid") != os.getpid() \
+        and _pid_alive(owner.get("pid")) and not owner.get("released")
+
+
+def _try_lock(lock: FileLock, record: Path) -> tuple[bool, dict]:
+    """``(True, previous owner)`` when the lock was taken, ``(False, owner)`` when someone holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None, _read_owner(path)
-    previous = _read_owner(path)
-    # A live process of this host still named there: the file system ignores flock; trust the pid.
-    if previous and previous.get("host") == socket.gethostname() and previous.get("pid") != os.getpid() \
-            and _pid_alive(previous.get("pid")) and not previous.get("released"):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-        return None, previous
-    return fd, previous
+        lock.acquire(blocking=False)
+    except Timeout:
+        return False, _read_owner(record)
+    previous = _read_owner(record)
+    if _live_elsewhere(previous):  # the file system ignores the kernel lock: trust the pid
+        lock.release()
+        return False, previous
+    return True, previous
+
+
+def _say_taken_over(what: str, folder: Path, owner: dict) -> None:
+    if owner and not owner.get("released") and owner.get("pid") != os.getpid():
+        state = "dead" if owner.get("host") == socket.gethostname() and not _pid_alive(owner.get("pid")) \
+            else "gone"
+        print(f"[lock] {what} {folder}: taking over the lock of {describe_owner(owner)} ({state}; "
+              "killed before it finished)", file=sys.stderr, flush=True)
 
 
 def acquire(folder: str | Path, what: str = "folder", *, wait: bool = False, poll_s: float = 1.0,
             timeout_s: float | None = None) -> Path:
-    """Own ``folder`` (created if missing); see the module docstring. Returns the lock file."""
+    """Own ``folder`` (created if missing); see the module docstring. Returns the owner's record file."""
     folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     key = str(path.resolve())
     if key in _held:
-        fd, depth = _held[key]
-        _held[key] = (fd, depth + 1)
+        lock, depth = _held[key]
+        _held[key] = (lock, depth + 1)
         return path
+    lock = FileLock(folder / KERNEL_LOCK_NAME, thread_local=False)
     start, told = time.monotonic(), False
     while True:
-        fd, owner = _try_lock(path)
-        if fd is not None:
+        taken, owner = _try_lock(lock, path)
+        if taken:
             break
         if not wait:
             raise FolderBusyError(f"{what} {folder} is in use by {describe_owner(owner)} (lock {path}); "
@@ -113,16 +125,11 @@ def acquire(folder: str | Path, what: str = "folder", *, wait: bool = False, pol
                   file=sys.stderr, flush=True)
             told = True
         time.sleep(poll_s)
-    if owner and not owner.get("released") and owner.get("pid") != os.getpid():
-        state = "dead" if owner.get("host") == socket.gethostname() and not _pid_alive(owner.get("pid")) \
-            else "gone"
-        print(f"[lock] {what} {folder}: taking over the lock of {describe_owner(owner)} ({state}; "
-              "killed before it finished)", file=sys.stderr, flush=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname(),
-          "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "argv": sys.argv[:8]}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-    _held[key] = (fd, 1)
+    _say_taken_over(what, folder, owner)
+    write_json_atomic(path, {"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                             "argv": sys.argv[:8]})
+    _held[key] = (lock, 1)
     return path
 
 
@@ -132,19 +139,17 @@ def release(folder: str | Path) -> None:
     key = str(path.resolve())
     if key not in _held:
         return
-    fd, depth = _held[key]
+    lock, depth = _held[key]
     if depth > 1:
-        _held[key] = (fd, depth - 1)
+        _held[key] = (lock, depth - 1)
         return
     del _held[key]
     try:
         owner = _read_owner(path)
-        os.ftruncate(fd, 0)
         if owner:
-            os.pwrite(fd, (json.dumps({**owner, "released": True}) + "\n").encode(), 0)
-        fcntl.flock(fd, fcntl.LOCK_UN)
+            write_json_atomic(path, {**owner, "released": True})
     finally:
-        os.close(fd)
+        lock.release()
 
 
 @contextmanager

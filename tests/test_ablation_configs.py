@@ -11,6 +11,8 @@ from test_configs import CONF, ROOT, _compose, _sweep_jobs
 
 from experiments import times
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 # What the SmolLM2 ablation and budget curve keep from experiment=smollm2 (unresolved: same settings, same sources).
 SMOLLM2_KEYS = ["target", "drafter", "data", "module", "optimizer", "loss", "seed", "num_threads", "suite",
                 "evaluate.enabled", "train.checkpoint_every", "train.gradient_clip_val", "scheduler.min_lr_ratio"]

@@ -14,6 +14,8 @@ from experiments import train_assistant
 from experiments.pipeline import assistant as asst
 from verify import AssistantDrafter, speculative_generate, target_generate
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 PROMPT_LENGTHS = [5, 9, 3, 7, 4, 6, 8, 5, 6, 4, 7, 3]
 NEW = 24
 K = 4

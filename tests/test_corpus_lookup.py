@@ -107,6 +107,7 @@ def test_fallback_drafts_the_rows_the_store_cannot_and_stays_exact():
         CorpusLookupDrafter(store, V, 5, fallback=block)
 
 
+@pytest.mark.slow
 def test_fallback_keeps_the_target_distribution():
     """Chi-square at T = 1: rows the store continues draft deterministically (one-hot q), the others sample
     from the block drafter's q, in the same batch."""

@@ -35,6 +35,8 @@ from hydra import compose, initialize_config_dir
 from drafters.model import target_fingerprint
 from drafters.training.datamodule import RegenDataModule, write_meta, write_shard
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LOSSES = sorted(p.stem for p in CONF.glob("loss/*.yaml"))
 ROWS, LENGTH, BATCH = 8, 20, 8

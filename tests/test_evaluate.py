@@ -19,6 +19,8 @@ from experiments.data.suites import Prompt
 from experiments.pipeline.records import TIMING_KEYS
 from experiments.pipeline.settings import DecodingSettings
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 K = 3  # block size 4
 MAX_NEW = 6
 BUDGET = 40  # max_prompt_tokens

@@ -13,7 +13,11 @@ from drafters import factory
 from experiments import export
 from experiments.pipeline.export import export_for_serving
 
-pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.e2e,
+    pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state"),
+]
 
 
 def tiny_qwen3(path):

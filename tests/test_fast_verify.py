@@ -289,6 +289,7 @@ class ConfidentPrefix:
         return tokens[:, :width], q[:, :width]
 
 
+@pytest.mark.slow
 def test_truncated_sampled_drafts_keep_the_target_distribution():
     """Chi-square of 3-token continuations against the target's exact distribution at T = 1, with
     drafts cut to a confident prefix (batches of 40 rows, so that the shared width varies)."""

@@ -24,6 +24,8 @@ from drafters.training import datamodule as regen
 from experiments import regenerate, train
 from experiments.pipeline.records import TIMING_KEYS
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 RNG = random.Random(14)  # the kill points
 BUILD_TRAINER = tr.build_trainer
 REGEN = ["batch_size=2", "shard_size=2"]  # experiments.regenerate: a shard per batch of 2 prompts

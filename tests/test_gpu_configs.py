@@ -20,6 +20,8 @@ from test_train import offline_env, run_main, save_target
 from drafters import factory
 from experiments import train
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # The real run's hardware and sizes, swapped for what this machine can run: nothing else changes.
 CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1",

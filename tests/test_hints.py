@@ -197,6 +197,7 @@ def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
     assert by["hint:store"]["mean_accepted"] > by.get("drafter", {"mean_accepted": 0.0})["mean_accepted"]
 
 
+@pytest.mark.slow
 def test_store_hints_keep_the_target_distribution():
     """Chi-square at T = 1: a drafter copying store hints (one-hot q) where they rest on >= 2 tokens."""
     from drafters.hints import HintStore

@@ -15,6 +15,8 @@ from torch import nn
 
 from losses import AcceptanceAlignedLoss
 
+pytestmark = pytest.mark.slow
+
 N, K, V, H = 8, 5, 11, 6
 SPLIT = 3  # rank 0 gets blocks [0, 3), rank 1 gets [3, 8): uneven, with different mask counts
 CONFIGS = {

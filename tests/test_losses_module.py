@@ -301,6 +301,7 @@ def test_loss_configs_resolve_to_their_values(name):
         assert list(cfg) == list(UNIFORM)
 
 
+@pytest.mark.slow
 def test_experiments_keep_their_loss_values():
     """Experiment files that pick a loss or override its keys still resolve to the same loss."""
     cases = [(["experiment=qwen3_gpu"], {**UNIFORM, "gamma": 7.0}),

@@ -18,6 +18,8 @@ from drafters.training.optim import warmup_cosine
 from losses import AcceptanceAlignedLoss
 from verify import speculative_generate, target_generate
 
+pytestmark = pytest.mark.slow
+
 VOCAB, NEW = 64, 24
 NUM_TRAIN, NUM_EVAL = 40, 8
 

@@ -52,6 +52,7 @@ def test_follow_hint_after_keeps_greedy_identity_and_copies_loops(m):
     assert followed.accepted_counts != plain.accepted_counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold, width, own", [(None, None, None), (0.2, None, None), (None, 2, None), (None, None, 1)])
 def test_follow_hint_after_keeps_the_target_distribution(threshold, width, own):
     """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, a hinted

@@ -29,7 +29,11 @@ from experiments.pipeline.eval_drafters import block_drafter
 from experiments.pipeline.export import export_for_serving
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.e2e,
+    pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state"),
+]
 
 
 def perturbed_copy(src: Path, dst: Path, scale: float = 0.05, seed: int = 1) -> Path:

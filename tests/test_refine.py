@@ -52,6 +52,7 @@ def test_more_passes_draft_from_the_previous_pass():
     torch.testing.assert_close(twice, again, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_refined_drafter_keeps_the_target_distribution():
     """Chi-square of 3-token continuations at T = 1 against the target's exact distribution, drafts sampled
     from the last of two refinement passes."""

@@ -40,9 +40,12 @@ from experiments import regenerate
 from experiments.data.target import TINY_TARGET_DIR
 
 SERVING = all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "openai"))
-pytestmark = pytest.mark.skipif(
-    not SERVING, reason="`transformers serve` needs the transformers[serving] extra (fastapi, uvicorn, openai): "
-                        "pip install -e '.[dev]'")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.serving,
+    pytest.mark.skipif(not SERVING, reason="`transformers serve` needs the transformers[serving] extra (fastapi, "
+                                           "uvicorn, openai): pip install -e '.[dev]'"),
+]
 
 SERVE = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"
 COMMON = ["target=tiny", "data=regen_greedy", "+data.generation.prompts={_target_:test_regen_server.six_prompts}",

@@ -16,6 +16,8 @@ from experiments.pipeline.records import training_run_info
 from experiments.reporting.plots import has_gain as plot_has_gain
 from verify.metrics import bootstrap_ci
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 K = 3
 SUITES = {"code": 20, "chat": 12}  # prompts per suite
 TEMPS = {"t0": 0.0, "t1": 1.0}

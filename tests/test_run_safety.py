@@ -21,6 +21,8 @@ from drafters import locks
 from drafters.training.datamodule import load_regenerated
 from experiments import regenerate, train
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 # A child owning <folder>'s lock: prints "held", runs an optional copy, sleeps, exits (releasing it).
 HOLDER = textwrap.dedent("""
     import json, shutil, sys, time

@@ -27,6 +27,8 @@ from experiments.serving.compare import (
 from experiments.serving.engine import ServingError, run_engine, run_engines, turn_order, vllm_python
 from verify.generate import speculative_generate
 
+pytestmark = pytest.mark.serving
+
 
 def test_engine_walk_anchors_at_the_first_new_token_and_counts_the_last_step_whole():
     lead = [0, 0, 0, 2, 0, 5, 1, 3, 0, 0]
@@ -148,6 +150,7 @@ worker.main(sys.argv[2])
 '''
 
 
+@pytest.mark.slow
 def test_engines_take_turns_phase_by_phase_with_a_rotating_first(tmp_path):
     import sys
 

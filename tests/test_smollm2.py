@@ -17,6 +17,8 @@ from experiments.data.prompts import encode_messages, left_pad
 from experiments.data.target import load_target
 from verify import speculative_generate, target_generate
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def smollm2_target():

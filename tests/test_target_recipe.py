@@ -16,6 +16,8 @@ from experiments.data.target import TINY_TARGET_DIR, load_target
 from experiments.data.tokenizer import train_tokenizer
 from experiments.pipeline.target_quality import distinct_n, repeated_ngram_share
 
+pytestmark = pytest.mark.slow
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 

@@ -21,6 +21,8 @@ from experiments.data.decontamination import check_disjoint
 from experiments.data.prompts import as_messages
 from experiments.pipeline.regeneration import needs_regeneration
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 TEXTS = [
     "Hello, how are you today? I am fine, thank you.",
     "What is the capital of France? Paris is the capital of France.",

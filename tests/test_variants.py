@@ -34,6 +34,7 @@ def test_layerwise_context_starts_as_the_targets_own_keys_and_values():
     assert not torch.allclose(kv[0][0], cache.layers[0].keys, atol=1e-3)  # not any layer's: the one it copies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers, at_least", [(6, 0.7), (2, 0.4)])
 def test_shifted_layerwise_drafter_starts_drafting_the_embedded_targets_next_token(num_layers, at_least):
     """Before any training, a layerwise drafter whose layers are copies of the embedded target's first

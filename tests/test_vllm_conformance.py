@@ -29,6 +29,8 @@ from experiments.serving.compare import engine_walk, position_counts, sequence_l
 from experiments.serving.engine import ServingError, run_engine, vllm_python
 from verify.generate import speculative_generate, target_generate
 
+pytestmark = [pytest.mark.slow, pytest.mark.serving]
+
 try:
     vllm_python()
 except ServingError as missing:

@@ -12,12 +12,13 @@ Both return the responses as the target's token ids (:class:`Answer`); the stage
 tokenizer and chat template, so stored rows have one format whoever answered.
 
 Server answers. Each prompt is one ``POST <endpoint>/chat/completions`` (the server applies the
-target's chat template), at most ``concurrency`` in flight, each with ``timeout_s``; refused
-connections, timeouts and HTTP 429/5xx are retried ``retries`` times after ``backoff_s * 2**k``
-seconds. Sampling maps to the request: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (only when
-set: a vLLM/SGLang extension that other servers refuse), ``max_tokens`` = ``max_new_tokens``, and
-``seed`` = a stable hash of ``generation.seed`` and the prompt id. ``extra_body`` is merged into every
-request (e.g. ``{return_token_ids: true}`` for vLLM, which then returns the response's token ids).
+target's chat template), at most ``concurrency`` in flight, each with ``timeout_s``, sent by the
+``openai`` client: refused connections, timeouts and HTTP 408/409/429/5xx are retried ``retries``
+times after ``backoff_s * 2**k`` seconds (``GET <endpoint>/models`` too). Sampling maps to the
+request: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (only when set: a vLLM/SGLang extension
+that other servers refuse), ``max_tokens`` = ``max_new_tokens``, and ``seed`` = a stable hash of
+``generation.seed`` and the prompt id. ``extra_body`` is merged into every request (e.g.
+``{return_token_ids: true}`` for vLLM, which then returns the response's token ids).
 
 Token ids: taken from the answer when the server sends them (``choices[0].token_ids``, or
 ``logprobs`` tokens written ``token_id:<n>``, vLLM's ``--return-tokens-as-token-ids``); otherwise
@@ -41,9 +42,7 @@ import re
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,6 @@ from experiments.data.prompts import left_pad
 from experiments.data.target import eos_token_ids, load_target
 from experiments.serving import engine
 
-RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
@@ -219,12 +217,20 @@ class VLLMBackend:
             self.proc = None
 
 
-def _opener(endpoint: str):
-    """urllib opener; loopback endpoints never go through a proxy from the environment."""
+def _openai_client(endpoint: str, api_key: str | None, timeout_s: float, retries: int, backoff_s: float):
+    """The openai client for ``endpoint``, retrying after ``backoff_s * 2**k`` seconds; loopback endpoints never
+    go through a proxy from the environment. Without ``api_key``: a placeholder key, which local servers ignore."""
+    import openai
+
+    class Client(openai.OpenAI):
+        # the client's delay before a retry (its own: 0.5 s doubling, jittered), as data.backend.backoff_s says
+        def _calculate_retry_timeout(self, remaining_retries, options, response_headers=None) -> float:
+            return backoff_s * 2 ** (options.get_max_retries(self.max_retries) - remaining_retries)
+
     host = urllib.parse.urlsplit(endpoint).hostname or ""
-    if host in {"127.0.0.1", "localhost", "::1"}:
-        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener()
+    http = openai.DefaultHttpxClient(trust_env=False) if host in {"127.0.0.1", "localhost", "::1"} else None
+    return Client(base_url=endpoint, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=retries,
+                  http_client=http)
 
 
 class OpenAIBackend:
@@ -246,44 +252,32 @@ class OpenAIBackend:
         self.extra_body = dict(extra or {})
         self.check_prompt_tokens = check_prompt_tokens
         self._pool: ThreadPoolExecutor | None = None
-        self._opener = _opener(self.endpoint)
+        self._client = _openai_client(self.endpoint, api_key, timeout_s, retries, backoff_s)
 
     # -- HTTP --------------------------------------------------------------------------------------
 
-    def _attempt(self, request, retry_status) -> tuple[bytes | None, str, int | None]:
-        """``(body, "", status)``, or ``(None, why, status or None)`` when the attempt may be retried;
-        raises when it may not."""
-        try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                return response.read(), "", response.status
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode("utf-8", "replace")
-            if e.code in retry_status:
-                return None, f"HTTP {e.code}: {detail}", e.code
-            raise EndpointError(f"data.backend.endpoint={self.endpoint}: {request.get_method()} {request.full_url} "
-                                f"answered HTTP {e.code}: {detail} (the request carries data.backend.model="
-                                f"{self.model}, data.generation's sampling and data.backend.extra_body)") from None
-        except (urllib.error.URLError, OSError) as e:  # refused, unreachable, timed out, connection reset
-            return None, f"{type(e).__name__}: {getattr(e, 'reason', e)}", None
+    def _call(self, method: str, path: str, send) -> bytes:
+        """The body of the answer to ``send()`` (``method path`` through the openai client, which retries it);
+        a failure raises :class:`EndpointUnreachable` or :class:`EndpointError` naming the settings."""
+        import openai
 
-    def request(self, path: str, payload: dict | None = None, retry_status=RETRY_STATUS) -> bytes:
-        """The body of ``GET``/``POST <endpoint><path>``, retried with exponential backoff."""
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(self.endpoint + path, data=data, headers=headers,
-                                         method="GET" if payload is None else "POST")
-        why, status = "", None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            body, why, status = self._attempt(request, retry_status)
-            if body is not None:
-                return body
-        raise (EndpointUnreachable if status is None else EndpointError)(f"data.backend.endpoint={self.endpoint}: {request.get_method()} {path} failed "
-                            f"{self.retries + 1} times ({why}); is the server up and reachable? "
-                            "(retries: data.backend.retries, per-request limit: data.backend.timeout_s)")
+        try:
+            return send().content
+        except openai.APIStatusError as e:
+            detail = e.response.text[:300]
+            if e.status_code in (408, 409, 429) or e.status_code >= 500:  # the client retried it
+                raise EndpointError(self._failed(method, path, f"HTTP {e.status_code}: {detail}")) from None
+            raise EndpointError(f"data.backend.endpoint={self.endpoint}: {method} {self.endpoint}{path} answered "
+                                f"HTTP {e.status_code}: {detail} (the request carries data.backend.model="
+                                f"{self.model}, data.generation's sampling and data.backend.extra_body)") from None
+        except openai.APIConnectionError as e:  # refused, unreachable, timed out, connection reset
+            cause = e.__cause__ or e
+            raise EndpointUnreachable(self._failed(method, path, f"{type(cause).__name__}: {cause}")) from None
+
+    def _failed(self, method: str, path: str, why: str) -> str:
+        return (f"data.backend.endpoint={self.endpoint}: {method} {path} failed {self.retries + 1} times ({why}); "
+                "is the server up and reachable? (retries: data.backend.retries, per-request limit: "
+                "data.backend.timeout_s)")
 
     def _json(self, body: bytes, what: str) -> dict:
         try:
@@ -314,7 +308,7 @@ class OpenAIBackend:
 
     def _check_models(self) -> None:
         try:
-            body = self.request("/models", retry_status={503})
+            body = self._call("GET", "/models", self._client.models.with_raw_response.list)
         except EndpointUnreachable:
             raise
         except EndpointError as e:  # transformers serve lists the hub cache and fails without one
@@ -393,7 +387,10 @@ class OpenAIBackend:
         return Answer(cut_after_eos(ids, self.eos), source, mismatch)
 
     def _answer_one(self, prompt: Prompt, gen) -> Answer:
-        body = self.request("/chat/completions", self.payload(prompt, gen))
+        payload, chat = self.payload(prompt, gen), self._client.chat.completions.with_raw_response
+        rest = {k: v for k, v in payload.items() if k not in ("model", "messages")}  # untyped: extra body
+        body = self._call("POST", "/chat/completions", lambda: chat.create(
+            model=payload["model"], messages=payload["messages"], extra_body=rest))
         data = self._json(body, f"POST /chat/completions (prompt {prompt.id})")
         return self._to_answer(self._check_answer(data, prompt))
 
@@ -416,3 +413,4 @@ class OpenAIBackend:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        self._client.close()
