@@ -13,6 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 400
+# The one drafter class is read in one sitting, training forward and draft side by side (issue 51): its file
+# may be longer, up to this.
+MAX_DRAFTER_LINES = 700
 PACKAGES = [ROOT / name for name in ("drafters", "losses", "verify", "experiments")]  # the code the checks below cover
 
 
@@ -134,7 +137,8 @@ def test_modules_are_short():
     lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
                for root in PACKAGES for p in sorted(root.rglob("*.py"))}
     assert len(lengths) > 50 and lengths["verify/generate.py"] > 100  # the walk sees the packages
-    long = {k: n for k, n in lengths.items() if n > MAX_FILE_LINES}
+    limit = {"drafters/model.py": MAX_DRAFTER_LINES}
+    long = {k: n for k, n in lengths.items() if n > limit.get(k, MAX_FILE_LINES)}
     assert long == {}, f"split these by responsibility (at most {MAX_FILE_LINES} lines): {long}"
 
 

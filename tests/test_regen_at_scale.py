@@ -16,7 +16,7 @@ from experiments import regenerate
 from experiments.data import corpora, sharegpt
 from experiments.data.decontamination import drop_overlapping
 from experiments.data.suites import Prompt
-from experiments.pipeline import engine_agreement, regen_backends
+from experiments.pipeline import engine_agreement, regen_backends, vllm_backend
 from experiments.pipeline import recorded_answers as ra
 from experiments.serving import engine
 
@@ -120,7 +120,7 @@ def test_the_vllm_backend_answers_batches_through_its_worker(tmp_path, monkeypat
     target = save_target(tmp_path / "target")
     cfg = OmegaConf.create({"target": {"path": str(target), "dtype": "float32", "trust_remote_code": False},
                             "data": {"generation": {"seed": 0}}})
-    backend = regen_backends.VLLMBackend(start_timeout_s=60, batch_timeout_s=60)
+    backend = vllm_backend.VLLMBackend(start_timeout_s=60, batch_timeout_s=60)
     _, tokenizer = backend.open(cfg)
     gen = OmegaConf.create({"max_new_tokens": 3, "temperature": 0.0, "top_p": None, "top_k": None})
     prompts = [regen_backends.Prompt(str(i), [5, 6, 7], []) for i in range(3)]

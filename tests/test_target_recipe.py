@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from pathlib import Path
 
@@ -33,6 +34,7 @@ def small_docs():
         if name not in MISSING_APT:
             docs += corpora.load_source(name)[:40]
     docs += corpora.load_source("reasoning", num_problems=40)
+    docs += list(itertools.islice(corpora.sharegpt(), 40))
     return docs
 
 
