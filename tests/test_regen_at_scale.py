@@ -160,3 +160,21 @@ def test_vllm_regenerates_the_tiny_targets_answers(tmp_path, monkeypatch):
                                                         meta["settings"]["generation"], 256))
     assert record["engine"]["kind"] == "vllm" and record["rows"] == len(answers) == 16
     assert set(record["sources"]) == {"dialogue", "reasoning"} and 0 <= record["cut_at_max_new_tokens"] <= 1
+
+
+def test_second_turns_carry_the_targets_own_first_answer(tmp_path):
+    from test_train import save_target
+
+    target = save_target(tmp_path / "target")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    answer = tokenizer("I am fine", add_special_tokens=False)["input_ids"]
+    regen.write_shard([{"id": "sharegpt/a1", "domain": "dialogue", "input_ids": [5, 6] + answer, "prompt_len": 2},
+                       {"id": "sharegpt/c3", "domain": "dialogue", "input_ids": [5, 6, 7], "prompt_len": 2}],
+                      tmp_path / "first")
+    prompts = sharegpt.second_turns(tmp_path / "first", str(target), path=cut_file(tmp_path / "s.json"))
+    assert [p["id"] for p in prompts] == ["sharegpt/a1/turn2"]  # c3 has no second human turn
+    assert [m["role"] for m in prompts[0]["messages"]] == ["user", "assistant", "user"]
+    assert prompts[0]["messages"][1]["content"] == tokenizer.decode(answer, skip_special_tokens=True).strip() != "Hi!"
+    assert prompts[0]["messages"][2]["content"] == "How are you?"

