@@ -127,7 +127,9 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     main_cmd, test_cmd = commands
     assert "experiments.main" in main_cmd and "pytest" in test_cmd
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci == [test_cmd]
+    assert ci[-1] == test_cmd  # what a newcomer types, run last
+    setup_lines = "\n".join(ci[:-1])  # before it: a new, empty temporary folder and cache, as on a new machine
+    assert 'fresh="$(mktemp -d' in setup_lines and 'export TMPDIR="$fresh/tmp" BLOCKDRAFT_CACHE="$fresh/cache"' in setup_lines
 
 
 def test_conf_is_installed_as_package_data():
