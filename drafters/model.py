@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from drafters.config import FINGERPRINT_KEYS, DrafterConfig, target_fingerprint
+from drafters.integrity import write_record
 from drafters.layers import (
     BlockContext,
     CachedContext,
@@ -286,7 +287,8 @@ class DFlashDrafter(nn.Module):
         return saved_config(self.config, self.variants)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``model.safetensors`` (drafter weights only), ``config.json`` and any variant's files."""
+        """Write ``model.safetensors`` (drafter weights only), ``config.json``, any variant's files, and the
+        record of their sha256 and of the saved config (:func:`drafters.integrity.write_record`)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -295,6 +297,7 @@ class DFlashDrafter(nn.Module):
         for variant in self.variants.values():
             if hasattr(variant, "save_extras"):
                 variant.save_extras(self, directory)
+        write_record(directory, self.saved_config(), [p.name for p in directory.glob("*.safetensors")])
 
     # ---- the forward shared by training and drafting ----------------------------------------------
 

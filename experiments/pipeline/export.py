@@ -164,7 +164,7 @@ def export_for_serving(cfg: DictConfig) -> Path:
                                 "experiments.train (e.g. runs/train/<name>/drafter)")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}; expected one of {sorted(DTYPES)} or null")
-    drafter = factory.load(drafter_dir)
+    drafter = factory.load(drafter_dir, allow_edited_settings=bool(cfg.drafter.get("allow_edited_settings", False)))
     info = describe_run(drafter_dir)
     out = Path(str(cfg.out)).expanduser()
     target = cfg.target or info["target"]
