@@ -292,12 +292,13 @@ class DFlashDrafter(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = self.saved_config()
         save_file(state, str(directory / WEIGHTS_NAME))
-        (directory / CONFIG_NAME).write_text(json.dumps(self.saved_config(), indent=2) + "\n")
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         for variant in self.variants.values():
             if hasattr(variant, "save_extras"):
                 variant.save_extras(self, directory)
-        write_record(directory, self.saved_config(), [p.name for p in directory.glob("*.safetensors")])
+        write_record(directory, config, [p.name for p in directory.glob("*.safetensors")])
 
     # ---- the forward shared by training and drafting ----------------------------------------------
 

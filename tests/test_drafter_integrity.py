@@ -160,3 +160,19 @@ def test_export_refuses_an_edited_drafter_unless_allowed(tmp_path):
         export_for_serving(OmegaConf.create(allowed))
     assert "block size 8" in (tmp_path / "served" / "README.md").read_text()
     assert load_quietly(tmp_path / "served").config.block_size == 8
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_init_from_an_edited_drafter_needs_the_override_of_the_drafter_config(tmp_path, fmt):
+    from hydra.utils import instantiate
+
+    saved(tmp_path, fmt)
+    edit(tmp_path, lambda raw: raw.update(block_size=8))
+    cfg = OmegaConf.load("conf/drafter/dflash.yaml")
+    cfg.init_from, cfg.block_size, cfg.num_layers = str(tmp_path), None, None
+    assert cfg.allow_edited_settings is False
+    with pytest.raises(ChangedDrafterError, match="block_size is 8, recorded 4"):
+        instantiate(cfg)(target())
+    cfg.allow_edited_settings = True
+    with pytest.warns(UserWarning, match="used anyway"):
+        assert instantiate(cfg)(target()).config.block_size == 8

@@ -9,7 +9,9 @@ when the run was evaluated, ``results.json``; items it cannot find read "unknown
 
 The target the card names, when it is a local model folder, is loaded and compared with the weights signature
 the drafter recorded (:func:`drafters.checks.check_target_weights`): another target is refused unless
-``drafter.allow_other_target=true``.
+``drafter.allow_other_target=true``. A drafter whose files differ from the record saved with them
+(:mod:`drafters.integrity`) is refused: other weights always, an edited ``config.json`` unless
+``drafter.allow_edited_settings=true``.
 """
 
 from __future__ import annotations
