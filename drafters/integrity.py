@@ -64,7 +64,7 @@ def read_record(directory: str | Path) -> dict | None:
     if not path.is_file():
         return None
     record = read_json(path, "drafter record")
-    if not isinstance(record.get("weights_sha256"), dict) or not isinstance(record.get("settings"), dict):
+    if not all(isinstance(record, dict) and isinstance(record.get(k), dict) for k in ("weights_sha256", "settings")):
         raise DamagedFileError(f"drafter record {path} lacks its weights_sha256 or settings object; restore it, "
                                "or save or export the drafter again")
     return record
