@@ -8,6 +8,9 @@ load block drafters from one directory:
   ``block_size`` and ``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``;
 * ``model.safetensors``: the drafter's weights only (the target's embedding and LM head are shared).
 
+blockdraft adds ``blockdraft`` (the target fingerprint) to ``config.json`` and ``blockdraft_record.json`` beside it
+(the weights' sha256 and the settings exported: :mod:`drafters.integrity`), both ignored by servers.
+
 The forward is the core drafter's (:class:`drafters.model.DFlashDrafter`) with ``qk_norm=True``: context features
 ``hidden_norm(fc(concat(h)))`` enter every layer's k/v projections un-normalised, queries come from
 the block ``[anchor, MASK x K]`` only, keys are ``k_norm`` + RoPE of context and block alike,
@@ -37,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafters.config import DrafterConfig, target_fingerprint
+from drafters.integrity import write_record
 from drafters.model import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from drafters.model_card import model_card, reads_final_output, serving_commands
 
@@ -145,16 +149,10 @@ def _check_exportable(drafter: DFlashDrafter) -> None:
             "the raw embedding weight (scale 1.0), so this drafter's inputs would differ")
 
 
-def dflash_config(drafter: DFlashDrafter, *, max_position_embeddings: int | None = None,
-                  dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The DFlash ``config.json`` of ``drafter`` (refuses what DFlash cannot express)."""
-    cfg: DrafterConfig = drafter.config
-    _check_exportable(drafter)
-    if max_position_embeddings is None:
-        target = getattr(drafter, "_target", None)
-        limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
-        max_position_embeddings = int(limit) if limit else 32768
-    weight_dtype = dtype or drafter.weight_ref.dtype
+def dflash_settings(cfg: DrafterConfig) -> dict[str, Any]:
+    """The fields of ``cfg``'s DFlash ``config.json`` that define the drafter: all of :func:`dflash_config`'s but
+    the serving choices (``max_position_embeddings``, ``dtype``). Export records them and import compares the
+    imported drafter's with that record (:mod:`drafters.integrity`)."""
     n = cfg.num_layers
     return {
         "architectures": [ARCHITECTURE],
@@ -170,7 +168,6 @@ def dflash_config(drafter: DFlashDrafter, *, max_position_embeddings: int | None
         "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
         "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": max_position_embeddings,
         # both spellings: rope_theta/rope_scaling (transformers 4) and rope_parameters (transformers 5)
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
@@ -180,7 +177,6 @@ def dflash_config(drafter: DFlashDrafter, *, max_position_embeddings: int | None
         "max_window_layers": n,
         "layer_types": ["full_attention"] * n,
         "tie_word_embeddings": False,
-        "dtype": str(weight_dtype).removeprefix("torch."),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.target_fingerprint["num_hidden_layers"],
         "dflash_config": {
@@ -192,6 +188,20 @@ def dflash_config(drafter: DFlashDrafter, *, max_position_embeddings: int | None
     }
 
 
+def dflash_config(drafter: DFlashDrafter, *, max_position_embeddings: int | None = None,
+                  dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The DFlash ``config.json`` of ``drafter`` (refuses what DFlash cannot express): :func:`dflash_settings`
+    and the serving choices (default: the attached target's context length, else 32768; the weights' dtype)."""
+    _check_exportable(drafter)
+    if max_position_embeddings is None:
+        target = getattr(drafter, "_target", None)
+        limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+        max_position_embeddings = int(limit) if limit else 32768
+    weight_dtype = dtype or drafter.weight_ref.dtype
+    return {**dflash_settings(drafter.config), "max_position_embeddings": max_position_embeddings,
+            "dtype": str(weight_dtype).removeprefix("torch.")}
+
+
 def dflash_state_dict(drafter: DFlashDrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The drafter's weights under DFlash names (contiguous CPU tensors, optionally cast)."""
     return {to_dflash_name(k): v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous()
@@ -200,7 +210,8 @@ def dflash_state_dict(drafter: DFlashDrafter, dtype: torch.dtype | None = None) 
 
 def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, card: str | None = None,
                   max_position_embeddings: int | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write ``drafter`` to ``out_dir`` in the DFlash format: config.json, model.safetensors, README.md.
+    """Write ``drafter`` to ``out_dir`` in the DFlash format: config.json, model.safetensors, README.md, and the
+    record of the weights' sha256 and of :func:`dflash_settings` (:func:`drafters.integrity.write_record`).
 
     ``card``: the model card's text (default: :func:`model_card` with no training information).
     ``max_position_embeddings``: written to the config (default: the attached target's, else 32768).
@@ -212,6 +223,7 @@ def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, card: str | No
     save_file(dflash_state_dict(drafter, dtype), str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(card if card is not None else model_card(drafter, out_dir))
+    write_record(out_dir, dflash_settings(drafter.config), [WEIGHTS_NAME])
     return out_dir
 
 
@@ -368,6 +380,6 @@ def load_dflash(directory: str | Path, target: nn.Module | None) -> DFlashDrafte
     return drafter.attach_target(target)
 
 
-__all__ = ["DFlashFormatError", "dflash_config", "dflash_drafter_config", "dflash_state_dict",
+__all__ = ["DFlashFormatError", "dflash_config", "dflash_drafter_config", "dflash_settings", "dflash_state_dict",
            "dflash_target_layer_ids", "export_dflash", "from_dflash_name", "load_dflash", "model_card",
            "serving_commands", "to_dflash_name"]

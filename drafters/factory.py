@@ -5,8 +5,9 @@ other decoding-time variants), and :func:`upgrade_saved_config`, the one place o
 
 A saved drafter is a folder: ``model.safetensors`` (the drafter's weights, never the target's embedding or LM
 head) and ``config.json``: the core :class:`drafters.config.DrafterConfig`'s fields and ``variants``, the options
-of each composed variant by name (:mod:`drafters.variants`). A DFlash serving checkpoint (``architectures`` in its
-config) is converted by :mod:`drafters.dflash`.
+of each composed variant by name (:mod:`drafters.variants`), and ``blockdraft_record.json``, the sha256 of its
+weights and the settings it was saved with, checked on load (:mod:`drafters.integrity`). A DFlash serving checkpoint
+(``architectures`` in its config) is converted by :mod:`drafters.dflash`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from drafters import integrity
 from drafters.checks import (
     WEIGHTS_KEY,
     check_dflash_fields,
@@ -37,7 +39,7 @@ from drafters.config import (
     target_fingerprint,
     target_sizes,
 )
-from drafters.dflash import load_dflash
+from drafters.dflash import dflash_settings, load_dflash
 from drafters.locks import check_safetensors, read_json
 from drafters.model import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, Variant, check_variants, saved_config
 from drafters.variants import REGISTRY, make_variants
@@ -105,8 +107,9 @@ def build(config: DrafterConfig, variants: Mapping[str, Any] | None = None) -> D
 def from_target(target: nn.Module, *, block_size: int = 16, num_layers: int = 1,
                 target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
                 init_from: str | Path | None = None, init_layers_from_target: bool = False,
-                allow_other_target: bool = False, gradient_checkpointing: bool = False,
-                variants: Mapping[str, Any] | None = None, **overrides: Any) -> DFlashDrafter:
+                allow_other_target: bool = False, allow_edited_settings: bool = False,
+                gradient_checkpointing: bool = False, variants: Mapping[str, Any] | None = None,
+                **overrides: Any) -> DFlashDrafter:
     """A freshly initialised drafter sized from ``target.config`` and attached to ``target`` (``_target_`` of
     ``conf/drafter/dflash.yaml``).
 
@@ -117,12 +120,15 @@ def from_target(target: nn.Module, *, block_size: int = 16, num_layers: int = 1,
     ``init_layers_from_target``: start the drafter's layers as copies of the target's layers.
     ``allow_other_target``: with ``init_from``, accept a checkpoint trained for a target with other weights
     (:func:`drafters.checks.check_target_weights`).
+    ``allow_edited_settings``: with ``init_from``, accept a checkpoint whose config.json was edited after it was
+    saved (:func:`drafters.integrity.check_saved_record`).
     """
     core = {k: v for k, v in overrides.items() if v is not None}
     _check_overrides(core)
     if init_from is not None:
         given = dict(core, block_size=block_size, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id)
-        drafter = _from_checkpoint(target, init_from, given, variants, num_layers, allow_other_target)
+        drafter = _from_checkpoint(target, init_from, given, variants, num_layers, allow_other_target,
+                                   allow_edited_settings)
         return drafter.set_gradient_checkpointing(gradient_checkpointing)
     chosen = make_variants(variants)
     tcfg = getattr(target, "config", None)
@@ -166,11 +172,14 @@ def _check_overrides(core: Mapping[str, Any]) -> None:
         raise ValueError(f"unknown drafter overrides {unknown}; allowed: {sorted(CORE_FIELDS)} and variants")
 
 
-def load(directory: str | Path, target: nn.Module | None = None, allow_other_target: bool = False) -> DFlashDrafter:
+def load(directory: str | Path, target: nn.Module | None = None, allow_other_target: bool = False,
+         allow_edited_settings: bool = False) -> DFlashDrafter:
     """A saved drafter (its variants from its config); with ``target``, attached (refused if its fingerprint
     differs, or its weights are not those the drafter was trained for unless ``allow_other_target``:
     :func:`drafters.checks.check_target_weights`). A DFlash serving checkpoint is converted
-    (:func:`drafters.dflash.load_dflash`, needs ``target``). Returned in eval mode."""
+    (:func:`drafters.dflash.load_dflash`, needs ``target``). Its weights files and settings are checked against
+    the record saved with them (:func:`drafters.integrity.check_saved_record`): changed weights are refused, and
+    edited settings unless ``allow_edited_settings``. Returned in eval mode."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"drafter directory {directory} does not exist")
@@ -179,11 +188,27 @@ def load(directory: str | Path, target: nn.Module | None = None, allow_other_tar
             raise FileNotFoundError(f"drafter directory {directory} has no {name}")
     raw = read_json(directory / CONFIG_NAME, "drafter config")  # a damaged file is named
     check_safetensors(directory / WEIGHTS_NAME)
-    if "architectures" in raw or "dflash_config" in raw:  # a HF-style config: the DFlash format
-        check_dflash_fields(raw, directory / CONFIG_NAME)
-        drafter = load_dflash(directory, target).eval()
+    load_format = _load_dflash_format if _is_dflash(raw) else _load_blockdraft
+    drafter = load_format(directory, raw, target)
+    integrity.check_saved_record(directory, CONFIG_NAME, _settings(raw, drafter), allow_edited_settings)
+    if target is not None:
         check_target_weights(drafter.config.target_fingerprint, target, directory, allow_other_target)
-        return drafter
+    return drafter.eval()
+
+
+def _is_dflash(raw: Mapping[str, Any]) -> bool:
+    """Whether a drafter's ``config.json`` is HF-style: the DFlash format."""
+    return "architectures" in raw or "dflash_config" in raw
+
+
+def _load_dflash_format(directory: Path, raw: Mapping[str, Any], target: nn.Module | None) -> DFlashDrafter:
+    """The DFlash checkpoint in ``directory`` (``raw``: its config.json) converted and attached to ``target``."""
+    check_dflash_fields(raw, directory / CONFIG_NAME)  # a wrongly typed field is named
+    return load_dflash(directory, target)
+
+
+def _load_blockdraft(directory: Path, raw: Mapping[str, Any], target: nn.Module | None) -> DFlashDrafter:
+    """The blockdraft-format drafter in ``directory`` (``raw``: its config.json), attached to ``target`` if given."""
     check_fields(DrafterConfig, raw, directory / CONFIG_NAME)  # a wrongly typed field is named
     config, variants = read_saved_config(raw, directory / CONFIG_NAME)
     drafter = DFlashDrafter(config, variants)
@@ -191,21 +216,34 @@ def load(directory: str | Path, target: nn.Module | None = None, allow_other_tar
     for variant in variants.values():
         if hasattr(variant, "load_extras"):
             variant.load_extras(drafter, directory)
-    if target is not None:
-        drafter.attach_target(target)
-        check_target_weights(config.target_fingerprint, target, directory, allow_other_target)
-    return drafter.eval()
+    return drafter if target is None else drafter.attach_target(target)
+
+
+def _settings(raw: Mapping[str, Any], drafter: DFlashDrafter) -> dict[str, Any]:
+    """The settings of ``drafter``, loaded from a folder whose ``config.json`` is ``raw``, in the spelling of the
+    record saved with it (:mod:`drafters.integrity`): its DFlash config fields
+    (:func:`drafters.dflash.dflash_settings`) in the DFlash format, else its ``config.json`` as saving writes it."""
+    return dflash_settings(drafter.config) if _is_dflash(raw) else drafter.saved_config()
+
+
+def edited_settings(directory: str | Path, drafter: DFlashDrafter) -> dict[str, dict[str, Any]]:
+    """``{key: {"recorded", "found"}}`` of the settings of ``drafter``, loaded from ``directory`` with
+    ``allow_edited_settings``, that differ from those recorded when it was saved ({} when none)."""
+    raw = read_json(Path(directory) / CONFIG_NAME, "drafter config")
+    return integrity.edited_settings(directory, _settings(raw, drafter))
 
 
 def _from_checkpoint(target: nn.Module, path: str | Path, given: dict[str, Any], variants: Mapping[str, Any] | None,
-                     num_layers: int | None, allow_other_target: bool = False) -> DFlashDrafter:
+                     num_layers: int | None, allow_other_target: bool = False,
+                     allow_edited_settings: bool = False) -> DFlashDrafter:
     """``from_target(..., init_from=path)``: the saved drafter at ``path`` attached to ``target``.
 
     The checkpoint fixes the architecture. ``num_layers`` is the fresh-initialisation size, so a
     different value is only warned about; every other given value that is not None (core fields, variants)
     must equal the checkpoint's, else the call is refused naming the field.
     """
-    drafter = load(path, target=target, allow_other_target=allow_other_target)
+    drafter = load(path, target=target, allow_other_target=allow_other_target,
+                   allow_edited_settings=allow_edited_settings)
     cfg = drafter.config
     cfg.target_fingerprint[WEIGHTS_KEY] = target_weights_sha1(target)  # trained from here on for this target
     given = {k: v for k, v in given.items() if v is not None}
@@ -256,5 +294,6 @@ def check_same_config(saved: Mapping[str, Any], current: Mapping[str, Any]) -> N
         raise ValueError(f"checkpoint's drafter config differs from the current one: {shown}")
 
 
-__all__ = ["FLAT_KEYS", "LEGACY_DEFAULTS", "REGISTRY", "Variant", "build", "check_same_config", "from_target",
-           "load", "read_saved_config", "upgrade_saved_config", "with_variant", "without_variant"]
+__all__ = ["FLAT_KEYS", "LEGACY_DEFAULTS", "REGISTRY", "Variant", "build", "check_same_config", "edited_settings",
+           "from_target", "load", "read_saved_config", "upgrade_saved_config", "with_variant",
+           "without_variant"]

@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from drafters.config import FINGERPRINT_KEYS, DrafterConfig, target_fingerprint
+from drafters.integrity import write_record
 from drafters.layers import (
     BlockContext,
     CachedContext,
@@ -286,15 +287,18 @@ class DFlashDrafter(nn.Module):
         return saved_config(self.config, self.variants)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``model.safetensors`` (drafter weights only), ``config.json`` and any variant's files."""
+        """Write ``model.safetensors`` (drafter weights only), ``config.json``, any variant's files, and the
+        record of their sha256 and of the saved config (:func:`drafters.integrity.write_record`)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = self.saved_config()
         save_file(state, str(directory / WEIGHTS_NAME))
-        (directory / CONFIG_NAME).write_text(json.dumps(self.saved_config(), indent=2) + "\n")
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         for variant in self.variants.values():
             if hasattr(variant, "save_extras"):
                 variant.save_extras(self, directory)
+        write_record(directory, config, [p.name for p in directory.glob("*.safetensors")])
 
     # ---- the forward shared by training and drafting ----------------------------------------------
 

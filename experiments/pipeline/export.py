@@ -9,7 +9,9 @@ when the run was evaluated, ``results.json``; items it cannot find read "unknown
 
 The target the card names, when it is a local model folder, is loaded and compared with the weights signature
 the drafter recorded (:func:`drafters.checks.check_target_weights`): another target is refused unless
-``drafter.allow_other_target=true``.
+``drafter.allow_other_target=true``. A drafter whose files differ from the record saved with them
+(:mod:`drafters.integrity`) is refused: other weights always, an edited ``config.json`` unless
+``drafter.allow_edited_settings=true``.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def export_for_serving(cfg: DictConfig) -> Path:
                                 "experiments.train (e.g. runs/train/<name>/drafter)")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}; expected one of {sorted(DTYPES)} or null")
-    drafter = factory.load(drafter_dir)
+    drafter = factory.load(drafter_dir, allow_edited_settings=bool(cfg.drafter.get("allow_edited_settings", False)))
     info = describe_run(drafter_dir)
     out = Path(str(cfg.out)).expanduser()
     target = cfg.target or info["target"]

@@ -149,7 +149,7 @@ RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.
                "data.features.batch_size", "data.features.head_dtype",  # runs saved before it lack the key
                "data.datamodule.num_workers", "data.datamodule.val_batch_size",
                "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
-               "drafter.allow_other_target", "data.backend.path")
+               "drafter.allow_other_target", "drafter.allow_edited_settings", "data.backend.path")
 FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),

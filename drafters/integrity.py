@@ -1,0 +1,146 @@
+"""What a saved drafter was saved as, recorded beside it and checked when it is loaded (issue 49).
+
+Saving a drafter (:meth:`drafters.model.DFlashDrafter.save_pretrained`) and exporting it
+(:func:`drafters.dflash.export_dflash`) write :data:`RECORD_NAME` next to ``config.json``::
+
+    {"weights_sha256": {"model.safetensors": "<sha256 of the file>", ...},
+     "settings": {<the config.json fields that define the drafter, as it was trained>}}
+
+(a sidecar file: servers such as vLLM read ``config.json`` and ``model.safetensors`` only). Loading
+(:func:`drafters.factory.load`, both formats) calls :func:`check_saved_record` with the settings of the drafter
+it read, in the record's spelling:
+
+* a weights file whose sha256 is not the recorded one (another drafter's weights of the same shapes) is refused,
+  naming the file and both hashes;
+* a setting that differs from the recorded one (``block_size`` edited from 4 to 8 in ``config.json``) is
+  refused, naming the file, the key and both values, unless :data:`OVERRIDE` is given: then it is used with a
+  warning, and :func:`edited_settings` says what was edited for the evaluation's results;
+* a drafter saved before blockdraft wrote records (or by another tool) loads with a one-line warning.
+
+The sha256 is that of the whole file (``sha256sum model.safetensors`` gives the same).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from drafters.locks import DamagedFileError, read_json, write_json_atomic
+
+RECORD_NAME = "blockdraft_record.json"
+OVERRIDE = "drafter.allow_edited_settings=true"  # the one setting that accepts edited settings
+ABSENT = "absent"  # how a setting missing on one side is shown
+
+
+class ChangedDrafterError(ValueError):
+    """A saved drafter's weights or settings are not those recorded when it was saved."""
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_record(directory: str | Path, settings: Mapping[str, Any], files: Sequence[str]) -> None:
+    """Write :data:`RECORD_NAME` in ``directory``: the sha256 of each of ``files`` (names in it, written
+    already) and ``settings`` (JSON values)."""
+    directory = Path(directory)
+    write_json_atomic(directory / RECORD_NAME, {
+        "weights_sha256": {name: sha256_file(directory / name) for name in sorted(files)},
+        "settings": _plain(settings)})
+
+
+def read_record(directory: str | Path) -> dict | None:
+    """The record of the drafter saved in ``directory``; None when it has none (saved before records)."""
+    path = Path(directory) / RECORD_NAME
+    if not path.is_file():
+        return None
+    record = read_json(path, "drafter record")
+    if not all(isinstance(record, dict) and isinstance(record.get(k), dict) for k in ("weights_sha256", "settings")):
+        raise DamagedFileError(f"drafter record {path} lacks its weights_sha256 or settings object; restore it, "
+                               "or save or export the drafter again")
+    return record
+
+
+def _plain(settings: Mapping[str, Any]) -> dict:
+    """``settings`` as JSON reads them back (tuples become lists)."""
+    return json.loads(json.dumps(settings))
+
+
+def _differences(recorded: Any, found: Any, key: str = "") -> dict[str, dict[str, Any]]:
+    """``{dotted key: {"recorded", "found"}}`` where two settings differ (the recorded order, then keys added),
+    descending into mappings both have."""
+    if isinstance(recorded, Mapping) and isinstance(found, Mapping):
+        diffs: dict[str, dict[str, Any]] = {}
+        for name in [*recorded, *(k for k in found if k not in recorded)]:
+            diffs.update(_differences(recorded.get(name, ABSENT), found.get(name, ABSENT), f"{key}{name}."))
+        return diffs
+    return {} if recorded == found else {key.rstrip("."): {"recorded": recorded, "found": found}}
+
+
+def edited_settings(directory: str | Path, settings: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{key: {"recorded": value, "found": value}}`` of each of ``settings`` (the saved drafter's, as
+    :func:`write_record` took them) that differs from the record in ``directory`` (dotted keys into the mappings
+    both have; a value missing on one side reads :data:`ABSENT`); {} when none differs or there is no record."""
+    record = read_record(directory)
+    return {} if record is None else _edits(record, settings)
+
+
+def _edits(record: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return _differences(record["settings"], _plain(settings))
+
+
+def _show(value: Any) -> str:
+    return ABSENT if value == ABSENT else repr(value)
+
+
+def _check_weights(directory: Path, record: Mapping[str, Any]) -> None:
+    """Refuse a recorded weights file that is missing or whose sha256 changed, naming it and both hashes."""
+    for name, recorded in record["weights_sha256"].items():
+        path = directory / name
+        if not path.is_file():
+            raise ChangedDrafterError(f"drafter weights {path} are missing but {directory / RECORD_NAME} records "
+                                      f"sha256 {recorded} for them; restore the file")
+        found = sha256_file(path)
+        if found != recorded:
+            raise ChangedDrafterError(
+                f"drafter weights {path} have sha256 {found} but {directory / RECORD_NAME} records {recorded}: "
+                "the file was replaced or changed after the drafter was saved; restore the saved file, or save or "
+                "export the drafter again to record these weights")
+
+
+def check_saved_record(directory: str | Path, config_name: str, settings: Mapping[str, Any],
+                       allow_edited_settings: bool = False) -> None:
+    """Check the drafter saved in ``directory`` against its record: its weights files (refused when changed)
+    and ``settings`` (those ``config_name`` gave it, in the record's spelling): refused when edited unless
+    ``allow_edited_settings`` (then warned about). Without a record: a warning."""
+    directory = Path(directory)
+    record = read_record(directory)
+    if record is None:
+        warnings.warn(f"drafter {directory} has no {RECORD_NAME} (saved by an older blockdraft or another tool): "
+                      f"its weights and {config_name} are loaded without checking that they are those it was "
+                      "saved with; save or export it again to record them", stacklevel=3)
+        return
+    _check_weights(directory, record)
+    edits = _edits(record, settings)
+    if not edits:
+        return
+    shown = "; ".join(f"{k} is {_show(v['found'])}, recorded {_show(v['recorded'])}" for k, v in edits.items())
+    what = f"drafter config {directory / config_name} differs from the settings {directory / RECORD_NAME} records: {shown}"
+    if allow_edited_settings:
+        warnings.warn(f"{what}; used anyway ({OVERRIDE})", stacklevel=3)
+        return
+    raise ChangedDrafterError(f"{what}. The drafter was trained with the recorded values: restore {config_name}, "
+                              f"or set {OVERRIDE} to use the edited ones")
+
+
+__all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "ChangedDrafterError", "check_saved_record", "edited_settings",
+           "read_record", "sha256_file", "write_record"]
