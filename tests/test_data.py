@@ -187,6 +187,16 @@ def test_datamodule_truncates_drops_and_splits(tmp_path):
     assert batch["input_ids"].shape == (4, 8) and batch["prompt_len"].tolist() == [3] * 4
     with pytest.raises(ValueError, match="max_length"):
         RegenDataModule(str(tmp_path), max_length=1)
+    subsets = []
+    for cap in (5, 12, None):  # nested training subsets over the same validation rows
+        sub = RegenDataModule(str(tmp_path), max_length=12, val_fraction=0.2, max_val_samples=3, max_train_rows=cap)
+        sub.setup("fit")
+        subsets.append(set(sub.train_set.indices))
+        assert sub.val_set.indices == dm.val_set.indices
+    assert len(subsets[0]) == 5 and len(subsets[1]) == 12 and subsets[0] < subsets[1] < subsets[2]
+    assert subsets[2] == set(dm.train_set.indices)
+    with pytest.raises(ValueError, match="max_train_rows must be >= 1"):
+        RegenDataModule(str(tmp_path), max_train_rows=0)
     empty = tmp_path / "empty"
     with pytest.raises(FileNotFoundError, match="is empty"):
         RegenDataModule(str(empty)).setup("fit")

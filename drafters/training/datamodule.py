@@ -186,6 +186,9 @@ class RegenDataModule(L.LightningDataModule):
         max_length: tokens kept per sequence (prompt + response), from the left.
         val_fraction: share of ids held out for validation (stable hash of the id).
         max_val_samples: cap on validation sequences (the first ones by id hash), None = all.
+        max_train_rows: cap on training sequences, the first ones by id hash (None = all): nested subsets of one
+            data dir (each holds the smaller ones) for curves against the amount of data, with the same
+            validation rows.
         num_workers, seed: DataLoader workers and the shuffling seed.
         features_dir: a complete feature cache of this data dir (:mod:`drafters.training.features`); training
             batches then carry ``features`` and the module skips the target forward. Validation
@@ -202,6 +205,7 @@ class RegenDataModule(L.LightningDataModule):
         max_length: int | None = 512,
         val_fraction: float = 0.05,
         max_val_samples: int | None = 64,
+        max_train_rows: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
         pad_token_id: int = 0,
@@ -215,7 +219,10 @@ class RegenDataModule(L.LightningDataModule):
             raise ValueError(f"max_length must be >= 2 (a prompt token and a response token), got {max_length}")
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        if max_train_rows is not None and max_train_rows < 1:
+            raise ValueError(f"max_train_rows must be >= 1 or null, got {max_train_rows}")
         self.max_length, self.val_fraction, self.max_val_samples = max_length, val_fraction, max_val_samples
+        self.max_train_rows = max_train_rows
         self.num_workers, self.seed, self.pad_token_id = num_workers, seed, pad_token_id
         self.features_dir, self.head_states_dir = features_dir, head_states_dir
         self.train_set: RegenDataset | None = None
@@ -238,9 +245,9 @@ class RegenDataModule(L.LightningDataModule):
                     (("features", self.features_dir), ("head_states", self.head_states_dir)) if root is not None}
         self.train_set = RegenDataset(data, train_idx, self.max_length, features)
         self.val_set = RegenDataset(data, val_idx, self.max_length)
-        if self.max_val_samples is not None:  # the same rows whatever the data dir's size order
-            by_hash = sorted(self.val_set.indices, key=lambda i: id_hash(ids[i]))
-            self.val_set.indices = sorted(by_hash[: self.max_val_samples])
+        for dataset, cap in ((self.val_set, self.max_val_samples), (self.train_set, self.max_train_rows)):
+            if cap is not None:  # the same rows whatever the data dir's size and order
+                dataset.indices = sorted(sorted(dataset.indices, key=lambda i: id_hash(ids[i]))[:cap])
         if len(self.train_set) == 0:
             raise ValueError(
                 f"regenerated dataset at {self.data_dir}: no training rows left ({len(data)} rows, "
