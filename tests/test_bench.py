@@ -22,6 +22,10 @@ def test_train_bench_times_each_loss_with_and_without_cached_features(tmp_path):
     assert runs == {("uniform", "on_the_fly"), ("uniform", "cached"), ("soft_all", "on_the_fly")}
     assert all(r["blocks_per_s"] > 0 and r["peak_rss_mb"] > 0 for r in report["losses"])
     assert report["validation_batch"]["anchors_per_s"] > 0
+    ref = report["reference"]  # the machine's yardstick, measured in the same process
+    assert ref["matmul_shape"] == [2 * 24, 256, 768] and ref["matmul_gflops"] > 0
+    assert ref["feature_pass_share_of_matmul"] == round(ref["feature_pass_gflops"] / ref["matmul_gflops"], 3)
+    assert all(r["train_share_of_matmul"] == round(r["train_gflops"] / ref["matmul_gflops"], 3) for r in report["losses"])
 
 
 def test_losses_bench_times_every_config_against_torch_cross_entropy(tmp_path):

@@ -19,8 +19,12 @@ Every loss runs twice in one process (``--features both``): with a target forwar
 without a feature cache, and with cached features (:mod:`drafters.training.features`; soft losses still need
 the target's logits and always run it), so the speedup of the cache is a ratio measured in one run.
 
-Plus, once, the cost of one validation batch (teacher-forced τ over every response anchor). The
-default target is the embedded tiny target if it has been trained, else a random Llama of its size.
+Plus, once, the cost of one validation batch (teacher-forced τ over every response anchor), and the
+machine's own yardstick measured in the same process (``reference``): the GFLOP/s of a plain float32 matmul
+at the target's widths, the target's feature pass (the cache's forward: hidden states, no LM head) in
+tokens/s and GFLOP/s, and each as a share of that matmul rate (2 FLOPs per weight per token, attention
+excluded). The default target is the embedded tiny target if it has been trained, else a random Llama of its
+size.
 """
 
 from __future__ import annotations
@@ -135,6 +139,43 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     return result
 
 
+def _median_seconds(fn, reps: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def bench_reference(target, args, batch) -> dict:
+    """The float32 matmul rate at the target's widths, and the feature pass's rate against it (module doc)."""
+    hidden, inner = target.config.hidden_size, target.config.intermediate_size
+    rows = args.batch_size * args.seq_len
+    a, b = torch.randn(rows, hidden, device=args.device), torch.randn(hidden, inner, device=args.device)
+    matmul_gflops = 2 * rows * hidden * inner / _median_seconds(lambda: a @ b) / 1e9
+    body = sum(p.numel() for n, p in target.named_parameters() if "embed" not in n and "lm_head" not in n)
+    seconds = _median_seconds(lambda: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                             output_hidden_states=True, use_cache=False, logits_to_keep=1), reps=3)
+    feature_gflops = 2 * body * rows / seconds / 1e9
+    return {"matmul_shape": [rows, hidden, inner], "matmul_gflops": round(matmul_gflops, 1),
+            "feature_pass_tokens_per_s": round(rows / seconds, 1), "feature_pass_gflops": round(feature_gflops, 1),
+            "feature_pass_share_of_matmul": round(feature_gflops / matmul_gflops, 3)}
+
+
+def _drafter_shares(results: list[dict], target, args, matmul_gflops: float) -> None:
+    """Each training record's drafted slots/s as GFLOP/s (forward + backward ~ 3x the forward's 2 FLOPs per
+    drafter weight per slot, the LM head over the vocabulary scored) and its share of the matmul rate."""
+    drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
+    weights = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    head = target.config.hidden_size * (args.train_vocab_size or target.config.vocab_size)
+    for r in results:
+        gflops = 6 * (weights + head) * r["tokens_per_s"] / 1e9
+        r["train_gflops"], r["train_share_of_matmul"] = round(gflops, 1), round(gflops / matmul_gflops, 3)
+
+
 @torch.no_grad()
 def bench_validation(target, args, batch) -> dict:
     drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
@@ -184,6 +225,11 @@ def main(argv=None) -> dict:
         print(f"[bench_train] {name:12s} {r['features']:10s} {r['blocks_per_s']:8.1f} blocks/s {r['tokens_per_s']:9.1f} tok/s "
               f"{r['s_per_step']:.3f} s/step (cpu {r['cpu_s_per_step']:.3f}) target {r['target_forward_share']:.0%} "
               f"peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    reference = bench_reference(target, args, batch)
+    _drafter_shares(results, target, args, reference["matmul_gflops"])
+    print(f"[bench_train] matmul {reference['matmul_gflops']} GFLOP/s; feature pass "
+          f"{reference['feature_pass_tokens_per_s']} tok/s = {reference['feature_pass_share_of_matmul']:.0%} of it",
+          flush=True)
     report = {
         "target": path or "random Llama (tiny-target shape)",
         "target_parameters": sum(q.numel() for q in target.parameters()),
@@ -191,6 +237,7 @@ def main(argv=None) -> dict:
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(),
         "losses": results,
         "validation_batch": bench_validation(target, args, batch),
+        "reference": reference,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
