@@ -137,3 +137,19 @@ def test_a_busy_folder_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(run_folder.FolderBusyError), run_folder.job():
         raise busy
+
+
+def test_the_job_log_takes_prints_but_not_progress_redraws(tmp_path, monkeypatch):
+    import io
+    import logging
+
+    handler = logging.FileHandler(tmp_path / "job.log")
+    monkeypatch.setattr(run_folder, "_staged_logs", lambda: [handler])
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    try:
+        with run_folder.job():
+            print("[train] 6 steps")
+            sys.stdout.write("\rtraining:  50%|#####     | 3/6")
+    finally:
+        handler.close()
+    assert (tmp_path / "job.log").read_text() == "[train] 6 steps\n"

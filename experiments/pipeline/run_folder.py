@@ -164,6 +164,8 @@ class _Tee(io.TextIOBase):
 
     def write(self, text: str) -> int:
         self.stream.write(text)
+        if "\r" in text:  # a progress bar redrawing its line: the terminal's, not the log's
+            return len(text)
         for handler in self.handlers:
             with contextlib.suppress(ValueError, OSError):  # a handler closed at exit
                 handler.acquire()
