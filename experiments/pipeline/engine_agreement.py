@@ -22,6 +22,7 @@ from tqdm import tqdm
 from drafters.training import datamodule as regen
 from experiments.data.hashing import stable_seed
 from experiments.data.target import eos_token_ids, load_target
+from experiments.pipeline.recorded_answers import first_difference
 from experiments.pipeline.regen_backends import generate_batch
 
 
@@ -29,13 +30,6 @@ def sample_rows(ids: list[str], sample: int, seed: int = 0) -> list[int]:
     """``sample`` row indices chosen by a stable hash of each row's id (the same rows on every machine)."""
     order = sorted(range(len(ids)), key=lambda i: stable_seed(seed, ids[i]))
     return sorted(order[:sample])
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where ``a`` and ``b`` differ (a length difference counts), None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def measure(data_dir: str | Path, target_path: str, sample: int = 24, seed: int = 0) -> dict:

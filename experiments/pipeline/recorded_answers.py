@@ -171,7 +171,10 @@ def load_answers(folder: str | Path) -> tuple[dict, dict[str, list[int]]]:
     return record, answers
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where ``a`` and ``b`` differ (a length difference counts), None when equal."""
+    if a == b:
+        return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -216,7 +219,7 @@ class RecordedBackend(InProcessBackend):
     def _check(self, prompts, recorded, generated) -> None:
         for p, want, got in zip(prompts, recorded, generated):
             if got.ids != want:
-                at = _first_difference(got.ids, want)
+                at = first_difference(got.ids, want)
                 raise RecordMismatch(f"prompt {p.id}: the target's answer differs from {self.path / ANSWERS} at "
                                      f"response token {at} (generated {got.ids[at:at + 5]}, recorded {want[at:at + 5]})")
         self.checked_rows += len(prompts)
