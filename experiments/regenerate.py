@@ -2,12 +2,14 @@
 
 Settings: ``conf/regenerate.yaml`` (how: ``conf/regeneration/``; what: ``conf/data/``); the work:
 :func:`experiments.pipeline.regeneration.regenerate`, into ``data.data_dir`` (resumable, shared with
-``experiments.train``).
+``experiments.train``), named in ``<run dir>/regenerate.json``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -21,7 +23,9 @@ from experiments.pipeline.run_folder import job
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with job():
-        regenerate(cfg)
+        data_dir = regenerate(cfg)
+        # where the data went, for the jobs that run this one (experiments.long)
+        (Path(cfg.paths.run_dir) / "regenerate.json").write_text(json.dumps({"data_dir": str(data_dir)}) + "\n")
 
 
 if __name__ == "__main__":

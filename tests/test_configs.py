@@ -256,14 +256,14 @@ def test_the_main_jobs_drafters_are_core_dflash_drafters():
     """conf/main.yaml's experiment trains small core DFlash drafters: no hints, store, copied layers or anchor
     variants (so each exports to the DFlash format), on the recorded answers, with a candidate training vocabulary."""
     main = _compose("main")
-    trained = _compose("train", [f"experiment={main.experiment}"])
+    trained = _compose("train", [f"experiment={main.train_experiment}"])
     drafter = trained.drafter
     assert drafter._target_ == "drafters.factory.from_target" and drafter.num_layers <= 2
     assert not any(drafter.get(k) for k in ("lookup_hints", "store_hints", "causal_anchor", "frozen_anchor",
                                             "refine_passes", "init_from"))
     assert trained.data.backend._target_.endswith("RecordedBackend") and trained.module.train_vocab_size == 8192
     assert trained.target.name == "smollm2"
-    data = _compose("regenerate", [f"experiment={main.experiment}"])  # the main job's data stage
+    data = _compose("regenerate", [f"experiment={main.train_experiment}"])  # the main job's data stage
     assert data.data.generation == trained.data.generation and data.batch_size == trained.regenerate.batch_size
 
 

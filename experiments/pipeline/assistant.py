@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from drafters.tau import greedy_walk
 from drafters.training.datamodule import read_meta
 from experiments.data.target import load_target
 from experiments.pipeline.paths import cache_path, portable_path
-from experiments.pipeline.trainer import build_trainer
+from experiments.pipeline.trainer import build_trainer, train_seconds
 
 # ----------------------------------------------------------------------------- model
 
@@ -102,7 +101,6 @@ class AssistantLM(L.LightningModule):
         super().__init__()
         self.model, self.make_optimizer, self.make_scheduler = model, optimizer, scheduler
         self.num_draft_tokens = num_draft_tokens
-        self.train_seconds, self._t0 = 0.0, None  # training wall time, summed over resumed runs
 
     def _logits(self, batch) -> torch.Tensor:  # (B, S - 1, V)
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
@@ -143,19 +141,6 @@ class AssistantLM(L.LightningModule):
             return optimizer
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": self.make_scheduler(optimizer), "interval": "step"}}
-
-    def on_train_start(self) -> None:
-        self._t0 = time.time()
-
-    def on_train_end(self) -> None:
-        self.train_seconds += time.time() - self._t0 if self._t0 else 0.0
-        self._t0 = None
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["train_seconds"] = self.train_seconds + (time.time() - self._t0 if self._t0 else 0.0)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.train_seconds = checkpoint.get("train_seconds", 0.0)
 
 
 # ----------------------------------------------------------------------------- export
@@ -282,7 +267,7 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
     export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"
     export_assistant(model, str(cfg.target.path), export_dir, cfg.export_dtype, meta)
     (run_dir / "train_summary.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"[train_assistant] {trainer.global_step} steps in {module.train_seconds:.0f} s; "
+    print(f"[train_assistant] {trainer.global_step} steps in {meta['wall_time_s']} s; "
           f"val {json.dumps(meta['val'])}; exported to {export_dir}", flush=True)
     return export_dir
 
@@ -313,7 +298,7 @@ def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, da
         "train_response_tokens_seen": _response_tokens_seen(datamodule, trainer.global_step),
         "optimizer": plain(cfg.optimizer),
         "scheduler": plain(cfg.scheduler) if cfg.get("scheduler") else None,
-        "wall_time_s": round(module.train_seconds, 1),
+        "wall_time_s": train_seconds(trainer),  # the training time, resumes added up
         "machine": f"{os.cpu_count()} CPU cores, no GPU" if not torch.cuda.is_available() else "GPU",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -2,7 +2,7 @@
 
 By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-135M-Instruct as the target:
 
-1. ``experiments.regenerate experiment=<experiment>`` — the drafters' data (for SmolLM2: the recorded answers,
+1. ``experiments.regenerate experiment=<train_experiment>`` — the drafters' data (for SmolLM2: the recorded answers,
    installed after a regenerated batch matched them token for token);
 2. ``experiments.train`` — one drafter per loss in ``losses`` (the uniform baseline and ``l2r_all``), same data,
    budget and seed; then ``experiments.train_assistant`` — the ``ar_assistant`` baseline on the same answers;
@@ -133,7 +133,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     """Data, training, the assistant, τ and speed evaluations of every drafter, the report (``conf/main.yaml``);
     returns the stage log written to ``<run dir>/main_summary.json``."""
     run_dir = Path(cfg.paths.run_dir).resolve()
-    science = [f"experiment={cfg.experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
+    science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
     t0 = time.time()
     drafters = _train_stages(cfg, run_dir, science, log)
@@ -144,7 +144,7 @@ def run_main_job(cfg: DictConfig) -> dict:
         extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
         k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
         drafters[baseline] = [f"drafter={baseline}", *extra, *k]
-    evaluate = [f"target={cfg.target}", *cfg.common_overrides]
+    evaluate = [f"target={cfg.eval_target}", *cfg.common_overrides]
     kinds = {"eval": list(cfg.evaluate_overrides)}
     if cfg.get("speed_overrides") is not None:
         kinds["speed"] = list(cfg.speed_overrides)

@@ -23,6 +23,13 @@ def build_trainer(cfg: DictConfig, logger) -> L.Trainer:
     return hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks, RandomStreams()])
 
 
+def train_seconds(trainer: L.Trainer) -> float | None:
+    """The run's training time in seconds, added up across resumes, from its
+    :class:`lightning.pytorch.callbacks.Timer` (``conf/callbacks/checkpoint.yaml``: ``train_clock``); None without one."""
+    clocks = [c for c in trainer.callbacks if isinstance(c, L.pytorch.callbacks.Timer)]
+    return round(clocks[0].time_elapsed("train"), 1) if clocks else None
+
+
 def keep_csv_history(logger) -> Path | None:
     """Lightning's CSVLogger deletes an existing metrics.csv when it starts: move it aside first.
 

@@ -51,7 +51,7 @@ from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
 from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
-from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history
+from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history, train_seconds
 
 
 def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
@@ -270,6 +270,7 @@ def _summary(cfg: DictConfig, trainer: L.Trainer, module, datamodule, saved: int
         "steps": trainer.global_step,
         "resumed_from_step": saved,
         "wall_time_s": round(seconds, 2),  # this run's fit (validation included)
+        "train_seconds": train_seconds(trainer),  # every fit of the run, resumes added up
         "steps_per_s": round((trainer.global_step - first_step) / max(seconds, 1e-9), 4),
         "drafter_parameters": sum(p.numel() for p in module.drafter.parameters()),
         "train_rows": len(datamodule.train_set),

@@ -281,3 +281,31 @@ def plot_tau_speed(points: dict[str, dict[str, tuple[float, list[float]]]], path
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     return _save(plt, fig, axes, names, path)
+
+
+def plot_data_scale(doc: dict, path: Path) -> Path:
+    """Two panels (:mod:`experiments.reporting.data_scale`): τ against the training answers (log scale, equal
+    steps) and against the steps of the long runs; per loss, the suites' mean τ (solid) and the held-out τ (dashed)."""
+    plt = _pyplot()
+    colors = _colors(list(dict.fromkeys([*doc["answers"], *doc["steps"]])))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained", sharey=True)
+    for ax, key, x, xlabel in ((axes[0], "answers", "train_rows", "training answers (log scale)"),
+                               (axes[1], "steps", "steps", "optimizer step of the long run")):
+        for loss, points in doc[key].items():
+            for which, style in (("suites_tau", "-"), ("held_out_tau", "--")):
+                pts = [(p[x], p[which]["mean"] if which == "suites_tau" else p[which]) for p in points
+                       if p[which] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", markersize=4, color=colors[loss],
+                            label=f"{loss}, {'suites (T=0)' if which == 'suites_tau' else 'held-out answers'}")
+        if key == "answers":
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_ylabel("accepted length τ")
+    axes[0].set_title("τ against the training answers, equal steps")
+    axes[1].set_title("τ along the long runs, all the answers")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

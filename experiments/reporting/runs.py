@@ -163,18 +163,26 @@ def order_runs(runs: Sequence[Run], order: Sequence[str] = (), baseline: str | N
     return [run for _, run in sorted(enumerate(runs), key=key)]
 
 
+def logged_metric(folder: Path, metric: str = CURVE_METRIC) -> dict[int, float]:
+    """``{step: value}`` of ``metric`` from the first CSV-logger metrics.csv in a training run folder that has it."""
+    for path in [folder / "metrics.csv", folder / "logs" / "metrics.csv", *sorted(folder.glob("*/*/metrics.csv"))]:
+        if not path.is_file():
+            continue
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows or metric not in rows[0]:
+            continue
+        points = {int(float(r["step"])): float(r[metric]) for r in rows if r.get(metric) and r.get("step")}
+        if points:
+            return points
+    return {}
+
+
 def training_curve(run: Run, metric: str = CURVE_METRIC) -> tuple[list[int], list[float]] | None:
     """``(steps, values)`` of ``metric`` from the first CSV-logger metrics.csv near the run that has it."""
     for d in run.training_dirs():
-        for path in [d / "metrics.csv", d / "logs" / "metrics.csv", *sorted(d.glob("*/*/metrics.csv"))]:
-            if not path.is_file():
-                continue
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-            if not rows or metric not in rows[0]:
-                continue
-            points = {int(float(r["step"])): float(r[metric]) for r in rows if r.get(metric) and r.get("step")}
-            if points:
-                steps = sorted(points)
-                return steps, [points[s] for s in steps]
+        points = logged_metric(d, metric)
+        if points:
+            steps = sorted(points)
+            return steps, [points[s] for s in steps]
     return None

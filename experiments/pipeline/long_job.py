@@ -1,0 +1,178 @@
+"""The long job (``python -m experiments.long``, ``conf/long.yaml``): issue 50's data, curves and long-trained
+drafters as one resumable command for the background.
+
+Stages, in this order, each its own entry point (its command printed and timed in ``long_summary.json``):
+
+1. ``data``: ``experiments.regenerate experiment=<train_experiment>`` (vLLM's CPU engine, resumable shards);
+2. ``agreement``: :mod:`experiments.pipeline.engine_agreement` on ``agreement_sample`` answers;
+3. ``export``: the answers recorded as an asset (``export_answers``, :mod:`experiments.pipeline.recorded_answers`);
+4. ``gamma``: ``l2r_all`` at each ``gamma`` on all the answers for ``curve.steps`` steps; the value with the best
+   held-out τ (``val/tau_greedy`` on the held-out split of the training answers, never the suites) goes to
+   ``gamma.json`` and into every later ``l2r_all`` run;
+5. ``curve``: each of ``curve.losses`` on each ``curve.train_rows`` answers (nested subsets), equal steps;
+6. ``long``: each of ``long.losses`` for the experiment's budget, the drafter saved at ``train.snapshot_steps``;
+7. ``assistant``: the ar_assistant on the same answers for the long ``l2r_all``'s training time;
+8. ``eval``: every curve run, snapshot and long drafter on the main job's suites (T=0, replayed);
+9. ``data_scale``: :mod:`experiments.reporting.data_scale` (JSON, PNG, Markdown in ``<run dir>/data_scale``).
+
+A stage whose output exists is skipped (a finished training's ``train_summary.json`` at its budget, an
+evaluation's ``results.json`` with every suite); an unfinished one resumes itself (shards, ``last.ckpt``).
+
+Run dir layout: ``data/``, ``sharegpt_answers/``, ``curve/<loss>-rows<N|all>[-gamma<g>]/``, ``long/<loss>/``
+(with ``snapshots/step-<N>/``), ``assistant/``, ``eval/<run>/``, ``data_scale/``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.pipeline.main_job import portable_summary, stage
+from experiments.reporting import data_scale
+
+SUMMARY = "long_summary.json"
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def trained(run: Path, steps: int | None = None) -> bool:
+    """Whether the training in ``run`` finished (at ``steps`` optimizer steps, when given)."""
+    summary = _read(run / "train_summary.json")
+    return summary is not None and (steps is None or summary["steps"] >= steps)
+
+
+def evaluated(out: Path, suites: list[str]) -> bool:
+    """Whether ``out/results.json`` holds T=0 for every one of ``suites``."""
+    doc = _read(out / "results.json")
+    return doc is not None and all("t0" in doc.get("results", {}).get(s, {}) for s in suites)
+
+
+class LongJob:
+    """The stages of the module doc over one run dir; ``log`` is what ``long_summary.json`` records."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg, self.run_dir = cfg, Path(cfg.paths.run_dir).resolve()
+        self.science = [f"experiment={cfg.train_experiment}", "launch=run", f"seed={cfg.seed}", *cfg.common_overrides]
+        self.log = {"run_dir": str(self.run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
+
+    def stage(self, name: str, module: str, args: list[str]) -> None:
+        stage(name, module, args, self.log)
+
+    def run(self) -> dict:
+        t0 = time.time()
+        data_dir = self.data()
+        gamma = self.choose_gamma()
+        runs = self.curve(gamma) + self.long(gamma)
+        self.assistant()
+        self.evaluate(runs)
+        data_scale.write(data_scale.collect(self.run_dir, self.suites()), self.run_dir / "data_scale",
+                         gamma=_read(self.run_dir / "gamma.json"), data_dir=data_dir)
+        self.log["seconds_this_launch"] = round(time.time() - t0, 1)
+        (self.run_dir / SUMMARY).write_text(portable_summary(self.log, self.run_dir))
+        return self.log
+
+    # ---- data ----------------------------------------------------------------------------------------
+
+    def data(self) -> Path:
+        """Regenerate (resumes), measure the engine's agreement, export the asset; returns the data folder."""
+        self.stage("data", "experiments.regenerate", [*self.science, *self.cfg.data_overrides,
+                                                     f"hydra.run.dir={self.run_dir}/data"])
+        data_dir = Path(_read(self.run_dir / "data" / "regenerate.json")["data_dir"])
+        agreement = _read(data_dir / "agreement.json")
+        if self.cfg.agreement_sample and (agreement is None or agreement["sample"] < self.cfg.agreement_sample):
+            self.stage("agreement", "experiments.pipeline.engine_agreement",
+                       [str(data_dir), "--sample", str(self.cfg.agreement_sample)])
+        out = self.cfg.export_answers
+        if out and not (Path(out) / "record.json").is_file():
+            self.stage("export", "experiments.regenerate", [*self.science, *self.cfg.data_overrides,
+                                                           f"export_answers={out}",
+                                                           f"hydra.run.dir={self.run_dir}/data"])
+        return data_dir
+
+    # ---- training ------------------------------------------------------------------------------------
+
+    def train(self, run: Path, loss: str, overrides: list[str], steps: int | None = None) -> Path:
+        if not trained(run, steps):
+            self.stage(f"train {run.relative_to(self.run_dir)}", "experiments.train",
+                       [*self.science, f"loss={loss}", *overrides, f"hydra.run.dir={run}"])
+        return run
+
+    def _curve_run(self, loss: str, rows: int | None, gamma: float | None) -> Path:
+        name = f"{loss}-rows{rows if rows is not None else 'all'}" + (f"-gamma{gamma:g}" if gamma is not None else "")
+        steps = self.cfg.curve.steps
+        overrides = [f"data.datamodule.max_train_rows={'null' if rows is None else rows}",
+                     f"train.max_steps={steps}", *self.cfg.curve.overrides]
+        if gamma is not None:
+            overrides.append(f"loss.gamma={gamma}")
+        return self.train(self.run_dir / "curve" / name, loss, overrides, steps)
+
+    def choose_gamma(self) -> float | None:
+        """l2r_all at each candidate γ on all the answers; the best held-out τ (``gamma.json``). None: one value."""
+        if len(self.cfg.gamma) < 2:
+            return None
+        held_out = {}
+        for g in self.cfg.gamma:
+            summary = _read(self._curve_run("l2r_all", None, float(g)) / "train_summary.json")
+            held_out[f"{float(g):g}"] = summary["val"]["val/tau_greedy"]
+        chosen = float(max(held_out, key=held_out.get))
+        (self.run_dir / "gamma.json").write_text(json.dumps(
+            {"chosen": chosen, "held_out_tau": held_out, "steps": self.cfg.curve.steps,
+             "measured_on": "val/tau_greedy: the held-out split of the training answers"}, indent=1) + "\n")
+        print(f"[long] l2r_all's gamma: {chosen:g} (held-out τ {held_out})", flush=True)
+        return chosen
+
+    def _gamma(self, loss: str, gamma: float | None) -> float | None:
+        return gamma if loss == "l2r_all" else None
+
+    def curve(self, gamma: float | None) -> list[Path]:
+        return [self._curve_run(loss, rows, self._gamma(loss, gamma))
+                for loss in self.cfg.curve.losses for rows in self.cfg.curve.train_rows]
+
+    def long(self, gamma: float | None) -> list[Path]:
+        runs = []
+        for loss in self.cfg.long.losses:
+            g = self._gamma(loss, gamma)
+            runs.append(self.train(self.run_dir / "long" / loss, loss,
+                                   [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides]))
+        return runs
+
+    def assistant(self) -> None:
+        """The ar_assistant for as long as the long l2r_all trained (null ``long_assistant``: none)."""
+        spec, run = self.cfg.get("long_assistant"), self.run_dir / "assistant"
+        budget = (_read(self.run_dir / "long" / "l2r_all" / "train_summary.json") or {}).get("train_seconds")
+        if not spec or budget is None or trained(run):
+            return
+        self.stage("train ar_assistant", "experiments.train_assistant",
+                   ["--config-name", spec.config_name, f"seed={self.cfg.seed}", *self.cfg.common_overrides,
+                    *spec.overrides, f"train.max_steps={spec.max_steps}",
+                    f"callbacks.train_clock.duration={{seconds:{int(budget)}}}", f"hydra.run.dir={run}"])
+
+    # ---- evaluation ----------------------------------------------------------------------------------
+
+    def suites(self) -> list[str]:
+        limits = [o.split("=")[0] for o in self.cfg.evaluate_overrides if o.startswith("suite.")]
+        return sorted({o.split(".")[1] for o in limits})
+
+    def evaluate(self, runs: list[Path]) -> None:
+        """T=0 (replayed) of every trained drafter and snapshot in ``runs`` into ``eval/<its path>``."""
+        drafters = []
+        for run in runs:
+            drafters += sorted(p for p in (run / "snapshots").glob("step-*") if p.is_dir())
+            drafters.append(run / "drafter")
+        for drafter in drafters:
+            out = self.run_dir / "eval" / drafter.relative_to(self.run_dir)
+            if drafter.is_dir() and not evaluated(out, self.suites()):
+                self.stage(f"eval {drafter.relative_to(self.run_dir)}", "experiments.evaluate",
+                           [f"target={self.cfg.eval_target}", *self.cfg.common_overrides, f"drafter.path={drafter}",
+                            *self.cfg.evaluate_overrides, "temperatures=[0.0]", f"hydra.run.dir={out}"])
+
+
+def run_long_job(cfg: DictConfig) -> dict:
+    """Every stage of the module doc; returns what ``<run dir>/long_summary.json`` records."""
+    return LongJob(cfg).run()
+

@@ -1,0 +1,159 @@
+"""experiments.long: the stage list, γ chosen on held-out answers, the assistant's time budget, the skipping of
+finished stages (fake stages), and the data_scale report; one real run on the tiny target (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from experiments.pipeline import long_job
+from experiments.reporting import data_scale
+
+HELD_OUT = {"1": 1.50, "2": 1.62, "4": 1.55}  # val/tau_greedy of l2r_all per gamma (fake)
+SUITES = ["gsm_symbolic", "humaneval", "mtbench"]
+
+
+def _summary(run: Path, steps: int, tau: float, rows: int = 100, seconds: float | None = None) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "drafter").mkdir(exist_ok=True)
+    (run / "train_summary.json").write_text(json.dumps(
+        {"steps": steps, "train_rows": rows, "val": {"val/tau_greedy": tau}, "train_seconds": seconds}))
+
+
+def _results(out: Path, tau: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"results": {s: {"t0": {"tau": tau}} for s in SUITES}}))
+
+
+def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
+    """Stages that write what the real ones would, and record their commands."""
+    calls = []
+
+    def fake(name, module, args, log):
+        calls.append((name, module, args))
+        log["stages"].append({"stage": name, "seconds": 0.0})
+        run = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1]) \
+            if any(a.startswith("hydra.run.dir=") for a in args) else None
+        if module == "experiments.regenerate" and not any(a.startswith("export_answers=") for a in args):
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "regenerate.json").write_text(json.dumps({"data_dir": str(tmp_path / "data_dir")}))
+        elif module == "experiments.regenerate":
+            out = Path(next(a for a in args if a.startswith("export_answers=")).split("=", 1)[1])
+            out.mkdir(parents=True)
+            (out / "record.json").write_text("{}")
+        elif module == "experiments.pipeline.engine_agreement":
+            (tmp_path / "data_dir").mkdir(exist_ok=True)
+            (tmp_path / "data_dir" / "agreement.json").write_text(json.dumps({"sample": int(args[2])}))
+        elif module == "experiments.train":
+            gamma = next((a.split("=")[1] for a in args if a.startswith("loss.gamma=")), None)
+            tau = HELD_OUT[f"{float(gamma):g}"] if gamma else 1.4
+            long = run.parent.name == "long"
+            _summary(run, 20000 if long else 2000, tau, seconds=3600.0 if long else 300.0)
+            if long:
+                (run / "snapshots" / "step-1000").mkdir(parents=True)
+                (run / "logs").mkdir()
+                (run / "logs" / "metrics.csv").write_text("step,val/tau_greedy\n1000,1.3\n20000,1.7\n")
+        elif module == "experiments.train_assistant":
+            _summary(run, 5000, 1.2)
+        elif module == "experiments.evaluate":
+            _results(run, 1.5)
+
+    monkeypatch.setattr(long_job, "stage", fake)
+    return calls
+
+
+def _cfg(tmp_path, *overrides):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose("long", overrides=[f"paths.run_dir={tmp_path / 'run'}",
+                                          f"export_answers={tmp_path / 'run' / 'answers'}", *overrides])
+
+
+def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafters_time(tmp_path, monkeypatch):
+    calls = _fake_stages(tmp_path, monkeypatch)
+    cfg = _cfg(tmp_path)
+    log = long_job.run_long_job(cfg)
+    names = [c[0] for c in calls]
+    assert names[:3] == ["data", "agreement", "export"]
+    gammas = [f"train curve/l2r_all-rowsall-gamma{g}" for g in (1, 2, 4)]
+    assert names[3:6] == gammas  # γ first: every later l2r_all run uses the chosen one
+    chosen = json.loads((tmp_path / "run" / "gamma.json").read_text())
+    assert chosen["chosen"] == 2.0 and chosen["held_out_tau"] == HELD_OUT  # the best held-out τ, not the suites'
+    by_name = {c[0]: c[2] for c in calls}
+    assert "loss.gamma=2.0" in by_name["train curve/l2r_all-rows738-gamma2"]
+    assert "loss.gamma=2.0" in by_name["train long/l2r_all"] and not any(
+        a.startswith("loss.gamma") for a in by_name["train long/uniform"])
+    assert "data.datamodule.max_train_rows=738" in by_name["train curve/uniform-rows738"]
+    assert "data.datamodule.max_train_rows=null" in by_name["train curve/uniform-rowsall"]
+    assert "train.max_steps=2000" in by_name["train curve/uniform-rows2500"]
+    assistant = by_name["train ar_assistant"]
+    assert "callbacks.train_clock.duration={seconds:3600}" in assistant  # the long l2r_all's training time
+    evaluated = [n for n in names if n.startswith("eval ")]
+    assert "eval long/l2r_all/snapshots/step-1000" in evaluated and "eval long/l2r_all/drafter" in evaluated
+    assert "eval curve/l2r_all-rowsall-gamma4/drafter" not in evaluated  # a γ candidate not chosen
+    assert [s["stage"] for s in log["stages"]] == names
+
+    doc = json.loads((tmp_path / "run" / "data_scale" / "data_scale.json").read_text())
+    assert [p["train_rows"] for p in doc["answers"]["uniform"]] == [100, 100, 100]
+    assert [p["run"] for p in doc["answers"]["l2r_all"]] == [
+        "curve/l2r_all-rows2500-gamma2", "curve/l2r_all-rows738-gamma2", "curve/l2r_all-rowsall-gamma2"]
+    steps = doc["steps"]["l2r_all"]
+    assert [(p["steps"], p["held_out_tau"], p["suites_tau"]["mean"]) for p in steps] == [(1000, 1.3, 1.5),
+                                                                                       (20000, 1.7, 1.5)]
+    assert (tmp_path / "run" / "data_scale" / "data_scale.png").stat().st_size > 0
+
+    calls.clear()  # run again: everything is there, only the data stage (it resumes itself) runs
+    long_job.run_long_job(cfg)
+    assert [c[0] for c in calls] == ["data"]
+
+
+def test_without_a_long_l2r_all_the_assistant_has_no_time_budget(tmp_path, monkeypatch):
+    calls = _fake_stages(tmp_path, monkeypatch)
+    cfg = _cfg(tmp_path, "gamma=[2.0]", "long.losses=[uniform]", "agreement_sample=0")
+    long_job.run_long_job(cfg)
+    names = [c[0] for c in calls]
+    assert "agreement" not in names and "train ar_assistant" not in names
+    assert not any("gamma" in n for n in names)  # one candidate: nothing to choose
+    assert not (tmp_path / "run" / "gamma.json").exists()
+
+
+def test_data_scale_waits_for_every_suite_before_it_counts_an_evaluation(tmp_path):
+    run = tmp_path / "run"
+    _summary(run / "curve" / "uniform-rows738", 2000, 1.3, rows=738)
+    (run / "eval" / "curve" / "uniform-rows738" / "drafter").mkdir(parents=True)
+    (run / "eval" / "curve" / "uniform-rows738" / "drafter" / "results.json").write_text(
+        json.dumps({"results": {"humaneval": {"t0": {"tau": 1.4}}}}))
+    doc = data_scale.collect(run, SUITES)
+    assert doc["answers"]["uniform"][0]["suites_tau"] is None  # two suites missing: no mean yet
+    _results(run / "eval" / "curve" / "uniform-rows738" / "drafter", 1.25)
+    doc = data_scale.collect(run, SUITES)
+    assert doc["answers"]["uniform"][0]["suites_tau"]["mean"] == 1.25
+    assert doc["answers"]["uniform"][0]["held_out_tau"] == 1.3
+
+
+@pytest.mark.slow
+def test_the_long_job_runs_on_the_tiny_target(tmp_path):
+    """Every stage for real on the tiny target: data, γ, curve, a long run with a snapshot, evaluations, report."""
+    env = {**os.environ, "BLOCKDRAFT_RUNS": str(tmp_path / "runs"), "HF_HUB_OFFLINE": "1"}
+    run = tmp_path / "long"
+    cmd = [sys.executable, "-m", "experiments.long", "train_experiment=smoke", "eval_target=tiny", "agreement_sample=0",
+           "export_answers=null", "gamma=[1.0,2.0]", "curve.losses=[uniform,l2r_all]", "curve.train_rows=[3,null]",
+           "curve.steps=2", "long.losses=[l2r_all]", "long_assistant=null",
+           "long.overrides=['train.max_steps=4','train.snapshot_steps=[2]']",
+           "evaluate_overrides=['progress=false','replay_greedy=true','suite.humaneval.limit=2',"
+           "'suite.gsm_symbolic.limit=2','suite.mtbench.limit=1']", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run / "long" / "l2r_all" / "snapshots" / "step-2" / "config.json").is_file()
+    assert json.loads((run / "long" / "l2r_all" / "train_summary.json").read_text())["train_seconds"] > 0
+    doc = json.loads((run / "data_scale" / "data_scale.json").read_text())
+    assert [p["train_rows"] for p in doc["answers"]["uniform"]] == [3, doc["answers"]["uniform"][1]["train_rows"]]
+    assert doc["answers"]["uniform"][1]["train_rows"] > 3
+    assert [p["steps"] for p in doc["steps"]["l2r_all"]] == [2, 4]
+    assert all(p["suites_tau"]["mean"] >= 1.0 for pts in doc["answers"].values() for p in pts)
+    assert doc["gamma"]["chosen"] in (1.0, 2.0)
