@@ -1,20 +1,21 @@
 """The long job (``python -m experiments.long``, ``conf/long.yaml``): issue 50's data, curves and long-trained
 drafters as one resumable command for the background.
 
-Stages, in this order, each its own entry point (its command printed and timed in ``long_summary.json``):
+Stages, each its own entry point (its command printed and timed in ``long_summary.json``), in the order that
+gives the results that matter most first:
 
 1. ``data``: ``experiments.regenerate experiment=<train_experiment>`` (vLLM's CPU engine, resumable shards);
-2. ``agreement``: :mod:`experiments.pipeline.engine_agreement` on ``agreement_sample`` answers;
-3. ``export``: the answers recorded as an asset (``export_answers``, :mod:`experiments.pipeline.recorded_answers`);
-4. ``gamma``: ``l2r_all`` at each ``gamma`` on all the answers for ``curve.steps`` steps; the value with the best
+   ``agreement``: :mod:`experiments.pipeline.engine_agreement` on ``agreement_sample`` answers; ``export``: the
+   answers recorded as an asset (``export_answers``, :mod:`experiments.pipeline.recorded_answers`);
+2. ``gamma``: ``l2r_all`` at each ``gamma`` on all the answers for ``curve.steps`` steps; the value with the best
    held-out τ (``val/tau_greedy`` on the held-out split of the training answers, never the suites) goes to
    ``gamma.json`` and into every later ``l2r_all`` run;
-5. ``curve``: each of ``curve.losses`` on each ``curve.train_rows`` answers (nested subsets), equal steps;
-6. ``long``: each of ``long.losses`` for the experiment's budget, the drafter saved at ``train.snapshot_steps``;
-7. ``assistant``: the ar_assistant on the same answers for the long ``l2r_all``'s training time;
-8. ``eval``: every curve run, snapshot and long drafter on the main job's suites (T=0, replayed);
-9. ``data_scale``: :mod:`experiments.reporting.data_scale` (JSON, PNG, Markdown in ``<run dir>/data_scale``).
+3. ``long``: each of ``long.losses`` for the experiment's budget, the drafter saved at ``train.snapshot_steps``;
+   after the long ``l2r_all``, the ar_assistant on the same answers for as long (``long_assistant``);
+4. ``curve``: each of ``curve.losses`` on each ``curve.train_rows`` answers (nested subsets), equal steps.
 
+After each training its drafters (the final one and the snapshots) are evaluated on the main job's suites (T=0,
+replayed) and ``<run dir>/data_scale`` is rewritten (:mod:`experiments.reporting.data_scale`: JSON, PNG, Markdown).
 A stage whose output exists is skipped (a finished training's ``train_summary.json`` at its budget, an
 evaluation's ``results.json`` with every suite); an unfinished one resumes itself (shards, ``last.ckpt``).
 
@@ -24,8 +25,10 @@ Run dir layout: ``data/``, ``sharegpt_answers/``, ``curve/<loss>-rows<N|all>[-ga
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -64,17 +67,23 @@ class LongJob:
         stage(name, module, args, self.log)
 
     def run(self) -> dict:
+        """The stages, the long drafters first (the results that matter most come first); the data_scale report
+        is rewritten after each training."""
         t0 = time.time()
-        data_dir = self.data()
+        self.data_dir = self.data()
         gamma = self.choose_gamma()
-        runs = self.curve(gamma) + self.long(gamma)
-        self.assistant()
-        self.evaluate(runs)
-        data_scale.write(data_scale.collect(self.run_dir, self.suites()), self.run_dir / "data_scale",
-                         gamma=_read(self.run_dir / "gamma.json"), data_dir=data_dir)
+        for run in itertools.chain(self.long(gamma), self.curve(gamma)):
+            self.evaluate([run])
+            self.report()
+            if run.parent.name == "long" and run.name == "l2r_all":
+                self.assistant()
         self.log["seconds_this_launch"] = round(time.time() - t0, 1)
         (self.run_dir / SUMMARY).write_text(portable_summary(self.log, self.run_dir))
         return self.log
+
+    def report(self) -> None:
+        data_scale.write(data_scale.collect(self.run_dir, self.suites()), self.run_dir / "data_scale",
+                         gamma=_read(self.run_dir / "gamma.json"), data_dir=self.data_dir)
 
     # ---- data ----------------------------------------------------------------------------------------
 
@@ -129,17 +138,18 @@ class LongJob:
     def _gamma(self, loss: str, gamma: float | None) -> float | None:
         return gamma if loss == "l2r_all" else None
 
-    def curve(self, gamma: float | None) -> list[Path]:
-        return [self._curve_run(loss, rows, self._gamma(loss, gamma))
-                for loss in self.cfg.curve.losses for rows in self.cfg.curve.train_rows]
+    def curve(self, gamma: float | None) -> Iterator[Path]:
+        """Each curve run, trained as it is reached."""
+        for loss in self.cfg.curve.losses:
+            for rows in self.cfg.curve.train_rows:
+                yield self._curve_run(loss, rows, self._gamma(loss, gamma))
 
-    def long(self, gamma: float | None) -> list[Path]:
-        runs = []
+    def long(self, gamma: float | None) -> Iterator[Path]:
+        """Each long run, trained as it is reached."""
         for loss in self.cfg.long.losses:
             g = self._gamma(loss, gamma)
-            runs.append(self.train(self.run_dir / "long" / loss, loss,
-                                   [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides]))
-        return runs
+            yield self.train(self.run_dir / "long" / loss, loss,
+                             [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides])
 
     def assistant(self) -> None:
         """The ar_assistant for as long as the long l2r_all trained (null ``long_assistant``: none)."""

@@ -302,7 +302,8 @@ def plot_data_scale(doc: dict, path: Path) -> Path:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
     axes[0].set_ylabel("accepted length τ")
     axes[0].set_title("τ against the training answers, equal steps")
     axes[1].set_title("τ along the long runs, all the answers")
