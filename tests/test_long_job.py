@@ -157,3 +157,12 @@ def test_the_long_job_runs_on_the_tiny_target(tmp_path):
     assert [p["steps"] for p in doc["steps"]["l2r_all"]] == [2, 4]
     assert all(p["suites_tau"]["mean"] >= 1.0 for pts in doc["answers"].values() for p in pts)
     assert doc["gamma"]["chosen"] in (1.0, 2.0)
+
+
+def test_the_long_jobs_run_dir_is_fixed_so_the_same_command_resumes(monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", "/runs")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("long", return_hydra_config=True)
+    assert OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"] == "/runs/long/smollm2_long-s0"
