@@ -178,3 +178,40 @@ def test_second_turns_carry_the_targets_own_first_answer(tmp_path):
     assert [m["role"] for m in prompts[0]["messages"]] == ["user", "assistant", "user"]
     assert prompts[0]["messages"][1]["content"] == tokenizer.decode(answer, skip_special_tokens=True).strip() != "Hi!"
     assert prompts[0]["messages"][2]["content"] == "How are you?"
+
+
+def test_prompt_subsets_are_nested_and_keep_their_order():
+    prompts = [{"id": f"p{i}", "domain": "d", "messages": []} for i in range(50)]
+    small, large = corpora.prompt_subset(prompts, 10), corpora.prompt_subset(prompts, 25)
+    assert len(small) == 10 and len(large) == 25
+    assert {p["id"] for p in small} < {p["id"] for p in large}
+    assert [p["id"] for p in large] == [p["id"] for p in prompts if p in large]  # the original order
+    with pytest.raises(ValueError, match="count must be >= 1, got 0"):
+        corpora.prompt_subset(prompts, 0)
+
+
+def test_recorded_answers_answer_a_subset_of_their_prompts_and_nothing_else(tmp_path):
+    from omegaconf import OmegaConf
+
+    from experiments.data.target import asset_path
+
+    backend = ra.RecordedBackend(str(asset_path("smollm2_answers")), check_batches=0)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "conversion.json").write_text(json.dumps({"gguf_sha256": backend.record["target"]["gguf_sha256"]}))
+    whole = backend.record["generation"]
+
+    def cfg(generation):
+        return OmegaConf.create({"data": {"generation": generation}, "batch_size": backend.record["batch_size"],
+                                 "target": {"path": str(target)}})
+
+    subset = {**whole, "prompts": {"_target_": ra.SUBSET, "count": 100, "prompts": whole["prompts"]}}
+    backend._check_settings(cfg(subset))  # accepted: the whole set was recorded
+    for other in ({**subset, "max_new_tokens": 7},
+                  {**whole, "prompts": {**whole["prompts"], "per_source": 3}}):
+        with pytest.raises(ra.RecordMismatch, match="was generated with data.generation="):
+            backend._check_settings(cfg(other))
+    some = next(iter(backend.answers))
+    assert backend.answer([regen_backends.Prompt(some, [], [])], None, 0)[0].ids == backend.answers[some]
+    with pytest.raises(ra.RecordMismatch, match="has no answer for prompts \\['unknown'\\]"):
+        backend.answer([regen_backends.Prompt("unknown", [], [])], None, 0)

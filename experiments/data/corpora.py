@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ast
 import sysconfig
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,3 +256,19 @@ def training_prompts(
             first_user = next(i for i, m in enumerate(d.messages) if m["role"] == "user")
             out.append({"id": d.id, "domain": d.domain, "messages": d.messages[: first_user + 1]})
     return out
+
+
+def prompt_subset(prompts: Sequence[dict], count: int, seed: int = 0) -> list[dict]:
+    """The first ``count`` of ``prompts`` ordered by a stable hash of their ids, in their original order.
+
+    Subsets are nested (a smaller count keeps a subset of a larger one), so answers recorded for the whole
+    set answer any subset of it (:class:`experiments.pipeline.recorded_answers.RecordedBackend`). In a config,
+    the whole set's spec goes under ``prompts``::
+
+        prompts: {_target_: experiments.data.corpora.prompt_subset, count: 2500,
+                  prompts: {_target_: experiments.data.corpora.training_prompts, ...}}
+    """
+    if count < 1:
+        raise ValueError(f"prompt_subset: count must be >= 1, got {count}")
+    kept = set(sorted(range(len(prompts)), key=lambda i: stable_seed(seed, prompts[i]["id"]))[:count])
+    return [p for i, p in enumerate(prompts) if i in kept]

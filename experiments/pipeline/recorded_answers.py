@@ -26,6 +26,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from drafters.locks import read_json, write_json_atomic
 from drafters.training import datamodule as regen
@@ -178,6 +179,18 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+SUBSET = "experiments.data.corpora.prompt_subset"
+
+
+def whole_set(generation: dict) -> dict:
+    """``generation`` with a :func:`experiments.data.corpora.prompt_subset` of prompts replaced by the whole set it
+    draws from: recorded answers to the whole set answer the subset (every id is still looked up)."""
+    prompts = generation.get("prompts") or {}
+    if prompts.get("_target_") != SUBSET:
+        return generation
+    return {**generation, "prompts": prompts["prompts"]}
+
+
 class RecordedBackend(InProcessBackend):
     """Answers from a recorded-answers folder; its first ``check_batches`` batches regenerated and compared."""
 
@@ -190,9 +203,7 @@ class RecordedBackend(InProcessBackend):
         return super().open(cfg)
 
     def _check_settings(self, cfg) -> None:
-        from omegaconf import OmegaConf
-
-        generation = OmegaConf.to_container(cfg.data.generation, resolve=True)
+        generation = whole_set(OmegaConf.to_container(cfg.data.generation, resolve=True))
         if generation != self.record["generation"]:
             raise RecordMismatch(f"{self.path / RECORD} was generated with data.generation="
                                  f"{self.record['generation']}, this job asks for {generation}")
