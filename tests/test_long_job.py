@@ -147,7 +147,7 @@ def test_the_long_job_runs_on_the_tiny_target(tmp_path):
            "long.overrides=['train.max_steps=4','train.snapshot_steps=[2]']",
            ("evaluate_overrides=['progress=false','replay_greedy=true','suite.humaneval.limit=2',"
            "'suite.gsm_symbolic.limit=2','suite.mtbench.limit=1']"), f"hydra.run.dir={run}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (run / "long" / "l2r_all" / "snapshots" / "step-2" / "config.json").is_file()
     assert json.loads((run / "long" / "l2r_all" / "train_summary.json").read_text())["train_seconds"] > 0
