@@ -168,3 +168,16 @@ def test_a_second_job_into_a_busy_run_folder_refuses(env, monkeypatch):
         child.kill()
         child.wait()
     assert not (run_dir / "logs").exists() and not (run_dir / "checkpoints").exists()  # nothing written
+
+
+def test_a_time_budget_stops_the_assistant_and_validation_can_wait_for_the_end(env, monkeypatch):
+    """The long job times the assistant without validation inside the fit (val_every past the budget), then gives it
+    the drafter's training time as a cap (callbacks.train_clock.duration)."""
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(env["root"] / "runs"))
+    args = [a for a in _args(env, env["root"] / "runs" / "timed", 5) if not a.startswith("train.val_every=")]
+    run_main(train_assistant, [*args, "train.val_every=1000000000"])
+    meta = json.loads((env["root"] / "runs" / "timed" / "train_summary.json").read_text())
+    assert meta["steps"] == 5 and meta["wall_time_s"] > 0 and "val/tau_greedy" in meta["val"]  # validated at the end
+    capped = [a.replace("/timed", "/capped") for a in args]
+    run_main(train_assistant, [*capped, "callbacks.train_clock.duration={seconds:0}"])
+    assert json.loads((env["root"] / "runs" / "capped" / "train_summary.json").read_text())["steps"] < 5  # stopped

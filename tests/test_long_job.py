@@ -60,7 +60,10 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
                 (run / "logs").mkdir()
                 (run / "logs" / "metrics.csv").write_text("step,val/tau_greedy\n1000,1.3\n20000,1.7\n")
         elif module == "experiments.train_assistant":
-            _summary(run, 5000, 1.2)
+            steps = int(next(a for a in args if a.startswith("train.max_steps=")).split("=")[1])
+            _summary(run, steps, 1.2)
+            summary = json.loads((run / "train_summary.json").read_text())
+            (run / "train_summary.json").write_text(json.dumps({**summary, "wall_time_s": 0.9 * steps}))
         elif module == "experiments.evaluate":
             _results(run, 1.5)
 
@@ -91,8 +94,10 @@ def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafter
     assert "data.datamodule.max_train_rows=738" in by_name["train curve/uniform-rows738"]
     assert "data.datamodule.max_train_rows=null" in by_name["train curve/uniform-rowsall"]
     assert "train.max_steps=2000" in by_name["train curve/uniform-rows2500"]
+    assert "train.max_steps=50" in by_name["time ar_assistant"]
     assistant = by_name["train ar_assistant"]
-    assert "callbacks.train_clock.duration={seconds:3600}" in assistant  # the long l2r_all's training time
+    assert "train.max_steps=4000" in assistant  # 3600 s at the timed 0.9 s/step: the schedule ends with the time
+    assert "callbacks.train_clock.duration={seconds:3960}" in assistant  # the long l2r_all's time (+10%) caps it
     evaluated = [n for n in names if n.startswith("eval ")]
     assert "eval long/l2r_all/snapshots/step-1000" in evaluated and "eval long/l2r_all/drafter" in evaluated
     assert "eval curve/l2r_all-rowsall-gamma4/drafter" not in evaluated  # a γ candidate not chosen

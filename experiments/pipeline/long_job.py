@@ -152,15 +152,32 @@ class LongJob:
                              [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides])
 
     def assistant(self) -> None:
-        """The ar_assistant for as long as the long l2r_all trained (null ``long_assistant``: none)."""
+        """The ar_assistant for as long as the long l2r_all trained (null ``long_assistant``: none): its steps from
+        a short timed run, so that its learning-rate schedule ends when the time does; the time is also its cap."""
         spec, run = self.cfg.get("long_assistant"), self.run_dir / "assistant"
         budget = (_read(self.run_dir / "long" / "l2r_all" / "train_summary.json") or {}).get("train_seconds")
         if not spec or budget is None or trained(run):
             return
-        self.stage("train ar_assistant", "experiments.train_assistant",
+        steps = self._assistant_steps(spec, budget)
+        self._train_assistant("train ar_assistant", run, spec, [
+            f"train.max_steps={steps}", f"callbacks.train_clock.duration={{seconds:{int(budget * 1.1)}}}"])
+
+    def _assistant_steps(self, spec, budget: float) -> int:
+        """The ar_assistant's steps in ``budget`` seconds, timed over ``spec.probe_steps`` steps (no validation)."""
+        probe = self.run_dir / "assistant_probe"
+        if not trained(probe):
+            self._train_assistant("time ar_assistant", probe, spec, [f"train.max_steps={spec.probe_steps}",
+                                                                     f"train.val_every={10 ** 9}"])
+        summary = _read(probe / "train_summary.json")
+        seconds_per_step = summary["wall_time_s"] / summary["steps"]
+        steps = max(1, int(budget / seconds_per_step))
+        print(f"[long] ar_assistant: {seconds_per_step:.3f} s/step, {steps} steps in {budget:.0f} s", flush=True)
+        return steps
+
+    def _train_assistant(self, name: str, run: Path, spec, overrides: list[str]) -> None:
+        self.stage(name, "experiments.train_assistant",
                    ["--config-name", spec.config_name, f"seed={self.cfg.seed}", *self.cfg.common_overrides,
-                    *spec.overrides, f"train.max_steps={spec.max_steps}",
-                    f"callbacks.train_clock.duration={{seconds:{int(budget)}}}", f"hydra.run.dir={run}"])
+                    *spec.overrides, *overrides, f"hydra.run.dir={run}"])
 
     # ---- evaluation ----------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ def train_seconds(trainer: L.Trainer) -> float | None:
     """The run's training time in seconds, added up across resumes, from its
     :class:`lightning.pytorch.callbacks.Timer` (``conf/callbacks/checkpoint.yaml``: ``train_clock``); None without one."""
     clocks = [c for c in trainer.callbacks if isinstance(c, L.pytorch.callbacks.Timer)]
-    return round(clocks[0].time_elapsed("train"), 1) if clocks else None
+    return round(clocks[0].time_elapsed("train"), 3) if clocks else None
 
 
 def keep_csv_history(logger) -> Path | None:
