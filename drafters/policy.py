@@ -86,15 +86,18 @@ class PolicyDrafter:
     """A block drafter drafting under a :class:`DraftingPolicy` (checked here); other attributes are the
     wrapped drafter's (``policy_drafter.config``, ``.parameters()``, ...)."""
 
-    def __init__(self, drafter: nn.Module, policy: DraftingPolicy | None = None) -> None:
+    def __init__(self, drafter: nn.Module, policy: DraftingPolicy | None = None,
+                 draft_vocab: torch.Tensor | None = None) -> None:
         self.drafter, self.policy = drafter, policy or DraftingPolicy()
         self.policy.check(drafter)
+        #: (V',) long: the token ids drafted from (the LM head's matmul over these columns only), None: all.
+        self.draft_vocab = draft_vocab
         #: Recent mean confident width: the confidence cut's first LM-head chunk covers it plus one slot.
         self.width_mean = 2.0
         self._sources: list[str] | None = None
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("drafter", "policy"):  # not set yet (copying, unpickling): no recursion
+        if name in ("drafter", "policy", "draft_vocab"):  # not set yet (copying, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.drafter, name)
 
@@ -114,6 +117,17 @@ class PolicyDrafter:
     def draft_sources(self) -> list[str] | None:
         return self._sources
 
+    def head(self, states: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits (..., V) of ``states`` (..., H). With :attr:`draft_vocab` (FR-Spec's lever), the LM
+        head's matmul covers those V' columns only and the others hold the dtype's lowest finite value (the
+        verifier refuses infinite logits): q is exactly 0 there, so drafts come from the candidates, still exact."""
+        if self.draft_vocab is None:
+            return self.drafter.head(states)
+        part = self.drafter.head(states, self.draft_vocab)  # (..., V')
+        logits = part.new_full((*part.shape[:-1], self.drafter.vocab_size), torch.finfo(part.dtype).min)
+        logits[..., self.draft_vocab] = part
+        return logits
+
     @torch.no_grad()
     def draft(self, anchor_ids, anchor_position_ids, *, temperature: float = 0.0, top_k=None, top_p=None,
               generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -132,7 +146,7 @@ class PolicyDrafter:
             own = (~follow).nonzero().squeeze(1)  # (b,)
             logits = torch.zeros(follow.shape[0], own_width, d.config.vocab_size, device=follow.device)
             if own.numel():
-                logits[own] = d.head(d.block_states(block, own)[:, :own_width])
+                logits[own] = self.head(d.block_states(block, own)[:, :own_width])
         else:
             logits, follow = self._own_logits(block, own_width)
         copies = follow is not None and bool(follow.any())
@@ -143,12 +157,12 @@ class PolicyDrafter:
         """``(logits (B, W'', V), follow (B,) bool or None)`` where no row copies its hint before a pass."""
         d, p = self.drafter, self.policy
         states = d.block_states(block)[:, :own_width]  # (B, W', H)
-        logits = d.head(states) if p.confidence_threshold is None else None  # (B, W', V)
+        logits = self.head(states) if p.confidence_threshold is None else None  # (B, W', V)
         follow = None
         if p.follow_hint_after is not None:  # the head on the first m slots only, unless it ran on all
-            follow = self._follows_hint(block, logits if logits is not None else d.head(states[:, : p.follow_hint_after]))
+            follow = self._follows_hint(block, logits if logits is not None else self.head(states[:, : p.follow_hint_after]))
         if logits is None:  # a copied hint is drafted whole (its W slots); otherwise the confident prefix
-            logits = d.head(states) if follow is not None and bool(follow.any()) else self.confident_logits(states)
+            logits = self.head(states) if follow is not None and bool(follow.any()) else self.confident_logits(states)
         return logits, follow
 
     def _hint_rows(self, block: Block) -> torch.Tensor:
@@ -180,7 +194,7 @@ class PolicyDrafter:
         size = max(1, math.ceil(self.width_mean) + 1)
         while start < num_slots:
             end = min(num_slots, start + size)
-            logits = self.drafter.head(states[:, start:end])  # (B, n, V)
+            logits = self.head(states[:, start:end])  # (B, n, V)
             top1 = (logits.amax(-1) - logits.logsumexp(-1)).exp()  # (B, n)
             run = (top1 >= threshold).long().cumprod(-1).sum(-1)  # (B,)
             leading = torch.where(leading == start, start + run, leading)

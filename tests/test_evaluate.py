@@ -562,3 +562,20 @@ def test_interleave_plot_draws_each_variant_and_refuses_wrong_names(tmp_path):
         interleave_plot.points(summary, ["one"])
     with pytest.raises(SystemExit, match="expected suite=number"):
         interleave_plot.main([str(record), "--tau-bar", "humaneval"])
+
+
+def test_the_candidate_vocabulary_comes_from_recorded_answers_or_the_training_data(tmp_path):
+    """drafter.draft_vocab_size: the most frequent response tokens of draft_vocab_from (+ EOS); without a source,
+    the data of the training run beside the drafter, else a message naming the key."""
+    from transformers import LlamaConfig
+
+    from experiments.data.target import asset_path
+    from experiments.pipeline.eval_drafters import candidate_vocab
+
+    target = type("Target", (), {"config": LlamaConfig(vocab_size=49152, eos_token_id=2)})()
+    vocab = candidate_vocab(target, 100, asset_path("smollm2_answers"), tmp_path / "drafter")
+    assert 100 <= len(vocab) <= 101 and 2 in vocab.tolist() and torch.equal(vocab, vocab.sort().values)
+    with pytest.raises(ValueError, match="draft_vocab_size=100 needs drafter.draft_vocab_from=.*no training run beside"):
+        candidate_vocab(target, 100, None, tmp_path / "drafter")
+    with pytest.raises(ValueError, match="draft_vocab_size=0: must be >= 1"):
+        candidate_vocab(target, 0, asset_path("smollm2_answers"), tmp_path / "drafter")

@@ -245,3 +245,34 @@ def test_follow_hint_min_ngram_keeps_greedy_identity(threshold, own):
     out = speculative_generate(target, copying, ids, attention_mask=mask, max_new_tokens=20)
     assert torch.equal(out.sequences, ref) and torch.equal(plain.sequences, ref)
     assert out.accepted_counts != plain.accepted_counts  # some hint was copied
+
+
+def test_a_candidate_vocabulary_drafts_from_it_and_stays_exact():
+    """draft_vocab: drafts come from the candidates only (q = 0 elsewhere) and the output is the target's
+    greedy output; the logits over the candidates are the full head's."""
+    target = tiny_target("llama", vocab_size=64)
+    torch.manual_seed(5)
+    drafter = build_drafter(target, "dflash", block_size=5)
+    vocab = torch.arange(0, 64, 3)  # every third id
+    wrapped = PolicyDrafter(drafter, draft_vocab=vocab)
+    states = torch.randn(2, 4, drafter.config.hidden_size)
+    logits, full = wrapped.head(states), drafter.head(states)
+    assert torch.allclose(logits[..., vocab], full[..., vocab]) and (logits[..., 1] == torch.finfo().min).all()
+    ids, _ = left_padded_prompts([6, 6], 64, seed=2)
+    ref = speculative_generate(target, drafter, ids, max_new_tokens=16)  # exact: the target's greedy output
+    out = speculative_generate(target, wrapped, ids, max_new_tokens=16)
+    assert torch.equal(out.sequences, ref.sequences)
+    tokens = _first_draft(wrapped, target, ids[:1])
+    assert set(tokens.flatten().tolist()) <= set(vocab.tolist())
+    q = warp_probs(wrapped.head(states), temperature=1.0)
+    assert float(q[..., 1].sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2, 4))
+
+
+@pytest.mark.slow
+def test_a_candidate_vocabulary_keeps_the_target_distribution():
+    """Chi-square of 3-token continuations at T = 1: drafts from half the vocabulary, the target's distribution."""
+    target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
+    torch.manual_seed(3)
+    drafter = PolicyDrafter(build_drafter(target, "dflash", block_size=4), draft_vocab=torch.tensor([0, 2, 3, 5]))
+    pvalue, accepted = sampled_continuations_pvalue(target, drafter, [5, 3, 6, 5, 3], 3, 60, 40)
+    assert accepted > 0 and pvalue > 1e-3

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
@@ -34,6 +35,8 @@ from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.training.datamodule import load_regenerated
+from drafters.training.vocab import frequent_tokens
+from experiments.pipeline.recorded_answers import RECORD, load_answers
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.hf import output_vocab_size
@@ -74,6 +77,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                   refine_passes: int | None = None, max_draft_tokens: int | None = None,
                   hint_data_dir: str | None = None, share_target_cache: bool = True,
                   own_draft_tokens: int | None = None, min_drafting_rows: int | None = None,
+                  draft_vocab_size: int | None = None, draft_vocab_from: str | None = None,
                   allow_other_target: bool = False, allow_edited_settings: bool = False) -> EvalDrafter:
     """A block drafter saved by ``experiments.train`` (``<run dir>/drafter``), attached to ``target`` and
     drafting under the decoding policy of the other arguments (:class:`drafters.policy.DraftingPolicy`, which
@@ -84,6 +88,9 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     ``passes``; 0 drops the variant; None = as trained). ``hint_data_dir``: drafters with the ``store_hints``
     variant read their hints from every answer of this regenerated data folder instead of the store saved
     with them (None = the saved store).
+    ``draft_vocab_size``: draft from the N most frequent response tokens (and EOS) of ``draft_vocab_from`` (a
+    regenerated data folder or a recorded-answers folder; None: the data its training run read), so the LM head
+    multiplies N columns instead of the vocabulary (:meth:`drafters.policy.PolicyDrafter.head`; exact).
     ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
     ``allow_edited_settings``: accept a ``config.json`` whose settings were edited after the drafter was saved
     (refused by default); the info's ``edited_settings`` then says which, from what to what.
@@ -100,8 +107,9 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                             confidence_threshold=confidence_threshold, follow_hint_after=follow_hint_after,
                             follow_hint_min_ngram=follow_hint_min_ngram, min_drafting_rows=min_drafting_rows,
                             share_target_cache=share_target_cache)
+    vocab = None if draft_vocab_size is None else candidate_vocab(target, draft_vocab_size, draft_vocab_from, directory)
     try:
-        wrapped = PolicyDrafter(drafter, policy)
+        wrapped = PolicyDrafter(drafter, policy, vocab)
     except ValueError as e:
         raise ValueError(f"{e} [drafter.path={path}]") from e
     store = getattr(drafter, "hint_store", None)
@@ -111,7 +119,9 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
                 "min_drafting_rows": min_drafting_rows, "allow_other_target": True if allow_other_target else None,
                 "allow_edited_settings": True if allow_edited_settings else None,
                 "share_target_cache": None if share_target_cache else False,
-                "hint_store_answers": len(store.rows) if store is not None else None}
+                "hint_store_answers": len(store.rows) if store is not None else None,
+                "draft_vocab_size": len(vocab) if vocab is not None else None,
+                "draft_vocab_from": (draft_vocab_from or "the training data") if vocab is not None else None}
     config = (drafter.config.to_dict() | record_settings(drafter.variants)
               | {k: v for k, v in settings.items() if v is not None})
     return EvalDrafter(wrapped, {
@@ -125,6 +135,27 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "training_run": training_run_info(directory.parent),
         "description": None,
     })
+
+
+def candidate_vocab(target, size: int, source: str | None, drafter_dir: Path) -> torch.Tensor:
+    """(V',) the ``size`` most frequent response tokens of ``source`` plus the target's EOS: a regenerated data
+    folder or a recorded-answers folder; None: the data folder of the training run that saved ``drafter_dir``."""
+    if size < 1:
+        raise ValueError(f"drafter.draft_vocab_size={size}: must be >= 1 or null (the whole vocabulary)")
+    if source is None:
+        summary = drafter_dir.parent / "train_summary.json"
+        if not summary.is_file():
+            raise ValueError(f"drafter.draft_vocab_size={size} needs drafter.draft_vocab_from=<a regenerated data "
+                             f"folder or recorded answers>: no training run beside {drafter_dir} names its data")
+        source = json.loads(summary.read_text())["data_dir"]
+    folder = _existing_dir(source, "a regenerated data folder or recorded answers", "drafter.draft_vocab_from")
+    if (folder / RECORD).is_file():
+        responses = load_answers(folder)[1].values()
+    else:
+        rows = load_regenerated(folder)
+        responses = (ids[p:] for ids, p in zip(rows["input_ids"], rows["prompt_len"]))
+    eos = [i for i in [getattr(target.config, "eos_token_id", None)] if isinstance(i, int)]
+    return frequent_tokens(responses, size, output_vocab_size(target), always=eos)
 
 
 def record_settings(variants) -> dict[str, Any]:
