@@ -66,6 +66,8 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
             (run / "train_summary.json").write_text(json.dumps({**summary, "wall_time_s": 0.9 * steps}))
         elif module == "experiments.evaluate":
             _results(run, 1.5)
+        elif module == "experiments.bench.train":
+            Path(args[-1]).write_text("{}")
 
     monkeypatch.setattr(long_job, "stage", fake)
     return calls
@@ -82,9 +84,9 @@ def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafter
     cfg = _cfg(tmp_path)
     log = long_job.run_long_job(cfg)
     names = [c[0] for c in calls]
-    assert names[:3] == ["data", "agreement", "export"]
+    assert names[:4] == ["data", "agreement", "export", "bench"]
     gammas = [f"train curve/l2r_all-rowsall-gamma{g}" for g in (1, 2, 4)]
-    assert names[3:6] == gammas  # γ first: every later l2r_all run uses the chosen one
+    assert names[4:7] == gammas  # γ first: every later l2r_all run uses the chosen one
     chosen = json.loads((tmp_path / "run" / "gamma.json").read_text())
     assert chosen["chosen"] == 2.0 and chosen["held_out_tau"] == HELD_OUT  # the best held-out τ, not the suites'
     by_name = {c[0]: c[2] for c in calls}
@@ -148,7 +150,7 @@ def test_the_long_job_runs_on_the_tiny_target(tmp_path):
     run = tmp_path / "long"
     cmd = [sys.executable, "-m", "experiments.long", "train_experiment=smoke", "eval_target=tiny", "agreement_sample=0",
            "export_answers=null", "gamma=[1.0,2.0]", "curve.losses=[uniform,l2r_all]", "curve.train_rows=[3,null]",
-           "curve.steps=2", "long.losses=[l2r_all]", "long_assistant=null",
+           "curve.steps=2", "long.losses=[l2r_all]", "long_assistant=null", "bench=null",
            "long.overrides=['train.max_steps=4','train.snapshot_steps=[2]']",
            ("evaluate_overrides=['progress=false','replay_greedy=true','suite.humaneval.limit=2',"
            "'suite.gsm_symbolic.limit=2','suite.mtbench.limit=1']"), f"hydra.run.dir={run}"]

@@ -6,7 +6,8 @@ gives the results that matter most first:
 
 1. ``data``: ``experiments.regenerate experiment=<train_experiment>`` (vLLM's CPU engine, resumable shards);
    ``agreement``: :mod:`experiments.pipeline.engine_agreement` on ``agreement_sample`` answers; ``export``: the
-   answers recorded as an asset (``export_answers``, :mod:`experiments.pipeline.recorded_answers`);
+   answers recorded as an asset (``export_answers``, :mod:`experiments.pipeline.recorded_answers`); ``bench``: the
+   pipeline benchmark (:mod:`experiments.bench.train`) while the job has the machine to itself;
 2. ``gamma``: ``l2r_all`` at each ``gamma`` on all the answers for ``curve.steps`` steps; the value with the best
    held-out τ (``val/tau_greedy`` on the held-out split of the training answers, never the suites) goes to
    ``gamma.json`` and into every later ``l2r_all`` run;
@@ -71,6 +72,8 @@ class LongJob:
         is rewritten after each training."""
         t0 = time.time()
         self.data_dir = self.data()
+        if self.cfg.get("bench") and not (self.run_dir / "bench_train.json").is_file():
+            self.stage("bench", "experiments.bench.train", [*self.cfg.bench, "--out", str(self.run_dir / "bench_train.json")])
         gamma = self.choose_gamma()
         for run in itertools.chain(self.long(gamma), self.curve(gamma)):
             self.evaluate([run])
