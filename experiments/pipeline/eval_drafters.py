@@ -84,13 +84,10 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
     documents and checks them; all exact).
 
     ``name`` = None lets the report name the row by the loss of the training run that saved it.
-    ``refine_passes``: the drafter's refinement passes at decoding time (the ``refine`` variant's
-    ``passes``; 0 drops the variant; None = as trained). ``hint_data_dir``: drafters with the ``store_hints``
-    variant read their hints from every answer of this regenerated data folder instead of the store saved
-    with them (None = the saved store).
-    ``draft_vocab_size``: draft from the N most frequent response tokens (and EOS) of ``draft_vocab_from`` (a
-    regenerated data folder or a recorded-answers folder; None: the data its training run read), so the LM head
-    multiplies N columns instead of the vocabulary (:meth:`drafters.policy.PolicyDrafter.head`; exact).
+    ``refine_passes``: the drafter's refinement passes at decoding time (the ``refine`` variant's ``passes``; 0
+    drops the variant; None = as trained). ``hint_data_dir``: drafters with the ``store_hints`` variant read their
+    hints from every answer of this regenerated data folder instead of the saved store (None).
+    ``draft_vocab_size``, ``draft_vocab_from``: draft from a candidate vocabulary (:func:`candidate_vocab`; exact).
     ``allow_other_target``: accept a target of other weights than it was trained for (refused by default).
     ``allow_edited_settings``: accept a ``config.json`` whose settings were edited after the drafter was saved
     (refused by default); the info's ``edited_settings`` then says which, from what to what.
@@ -139,7 +136,9 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
 
 def candidate_vocab(target, size: int, source: str | None, drafter_dir: Path) -> torch.Tensor:
     """(V',) the ``size`` most frequent response tokens of ``source`` plus the target's EOS: a regenerated data
-    folder or a recorded-answers folder; None: the data folder of the training run that saved ``drafter_dir``."""
+    folder or a recorded-answers folder; None: the data folder of the training run that saved ``drafter_dir``.
+    The drafter then drafts from these only: its LM head multiplies V' columns instead of the whole vocabulary
+    (FR-Spec's lever, :meth:`drafters.policy.PolicyDrafter.head`)."""
     if size < 1:
         raise ValueError(f"drafter.draft_vocab_size={size}: must be >= 1 or null (the whole vocabulary)")
     if source is None:
