@@ -18,7 +18,7 @@ import experiments  # noqa: F401  (registers the ${asset:...} resolver)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-PRIMARY = ["train", "evaluate", "regenerate", "train_target", "target_quality", "main", "export",
+PRIMARY = ["train", "evaluate", "regenerate", "train_target", "target_quality", "main", "long", "export",
            "train_assistant"]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
