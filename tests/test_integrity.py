@@ -153,3 +153,18 @@ def test_the_job_log_takes_prints_but_not_progress_redraws(tmp_path, monkeypatch
     finally:
         handler.close()
     assert (tmp_path / "job.log").read_text() == "[train] 6 steps\n"
+
+
+def test_the_shipped_sharegpt_answers_are_at_the_fields_scale_and_say_how_they_were_made():
+    """Issue 50's training data: >= 10,000 answers and >= 1.5M response tokens, ShareGPT among the sources (its
+    file's sha256), the engine that made them and their measured agreement with the in-process target."""
+    from experiments.data import sharegpt
+
+    record, answers = ra.load_answers(asset_path("sharegpt_answers"))
+    assert record["rows"] == len(answers) >= 10_000 and record["response_tokens"] >= 1_500_000
+    assert record["sources"]["sharegpt"]["sha256"] == sharegpt.SHA256
+    assert sum(i.startswith("sharegpt/") for i in answers) > len(answers) / 2  # the largest share
+    assert record["engine"]["kind"] == "vllm" and record["generation"]["engine"] == "vllm"
+    agreement = record["agreement_with_in_process_target"]
+    assert agreement["sample"] >= 64 and 0 <= agreement["identical"] <= agreement["sample"]
+    assert 0 < record["cut_at_max_new_tokens"] < 1

@@ -129,8 +129,9 @@ def _regeneration_record(data_dir: Path, target_path: str, generation: dict, res
                                   "suite_prompts": (meta.get("decontamination") or {}).get("suite_prompts")},
               "skipped_long_prompts": meta.get("skipped_long_prompts")}
     agreement = Path(data_dir) / "agreement.json"
-    if agreement.is_file():
-        record["agreement_with_in_process_target"] = read_json(agreement, "engine agreement record")
+    if agreement.is_file():  # measured on these answers' own data folder: its machine path is left out
+        measured = read_json(agreement, "engine agreement record")
+        record["agreement_with_in_process_target"] = {k: v for k, v in measured.items() if k != "data_dir"}
     return record
 
 
