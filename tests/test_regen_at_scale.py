@@ -215,3 +215,19 @@ def test_recorded_answers_answer_a_subset_of_their_prompts_and_nothing_else(tmp_
     assert backend.answer([regen_backends.Prompt(some, [], [])], None, 0)[0].ids == backend.answers[some]
     with pytest.raises(ra.RecordMismatch, match="has no answer for prompts \\['unknown'\\]"):
         backend.answer([regen_backends.Prompt("unknown", [], [])], None, 0)
+
+
+@pytest.mark.slow
+def test_the_shipped_sharegpt_answers_install_as_the_data_they_record(tmp_path, monkeypatch):
+    """data=sharegpt_answers on a new machine: the prompts rendered again from their sources and the recorded
+    answers give every recorded row (ShareGPT wheel and SmolLM2 conversion as the test command installs them)."""
+    from experiments.data.target import asset_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(tmp_path / "runs"))
+    run_main(regenerate, ["experiment=smollm2_long", "launch=run", "data=sharegpt_answers",
+                          f"data.data_dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    rows = regen.load_regenerated(tmp_path / "data")
+    _, answers = ra.load_answers(asset_path("sharegpt_answers"))
+    assert len(rows) == len(answers)
+    assert all(answers[i] == ids[p:] for i, ids, p in zip(rows["id"], rows["input_ids"], rows["prompt_len"]))
