@@ -52,8 +52,7 @@ def trained(run: Path, steps: int | None = None) -> bool:
 
 def evaluated(out: Path, suites: list[str]) -> bool:
     """Whether ``out/results.json`` holds T=0 for every one of ``suites``."""
-    doc = _read(out / "results.json")
-    return doc is not None and all("t0" in doc.get("results", {}).get(s, {}) for s in suites)
+    return data_scale.suites_tau(out / "results.json", suites) is not None
 
 
 class LongJob:

@@ -94,18 +94,15 @@ def _cell(point: dict) -> str:
 def markdown(doc: dict) -> list[str]:
     lines = [(f"# What training data buys (T=0, the suites' mean τ: {', '.join(doc['suites'])}; held-out τ: "
              "teacher-forced on the held-out split of the training answers)"), ""]
-    if doc["answers"]:
-        lines += ["## τ against the training answers (equal steps)", "",
-                  "| loss | answers | steps | suites τ | held-out τ |", "|---|---|---|---|---|"]
-        lines += [f"| {loss} | {p['train_rows']} | {p['steps']} | " + " | ".join(_cell(p)) + " |"
-                  for loss, pts in doc["answers"].items() for p in pts]
-        lines.append("")
-    if doc["steps"]:
-        lines += ["## τ along the long runs (snapshots of one run each)", "",
-                  "| loss | step | suites τ | held-out τ |", "|---|---|---|---|"]
-        lines += [f"| {loss} | {p['steps']} | " + " | ".join(_cell(p)) + " |"
-                  for loss, pts in doc["steps"].items() for p in pts]
-        lines.append("")
+    tables = (("answers", "τ against the training answers (equal steps)", {"answers": "train_rows", "steps": "steps"}),
+              ("steps", "τ along the long runs (snapshots of one run each)", {"step": "steps"}))
+    for key, title, columns in tables:  # columns: {header: point field}
+        if doc[key]:
+            head = ["loss", *columns, "suites τ", "held-out τ"]
+            lines += [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+            lines += ["| " + " | ".join([loss, *(str(p[f]) for f in columns.values()), *_cell(p)]) + " |"
+                      for loss, pts in doc[key].items() for p in pts]
+            lines.append("")
     if doc.get("gamma"):
         lines += [(f"l2r_all's γ: {doc['gamma']['chosen']:g}, chosen on the held-out τ "
                   f"{doc['gamma']['held_out_tau']} at {doc['gamma']['steps']} steps."), ""]
