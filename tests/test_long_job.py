@@ -26,9 +26,10 @@ def _summary(run: Path, steps: int, tau: float, rows: int = 100, seconds: float 
         {"steps": steps, "train_rows": rows, "val": {"val/tau_greedy": tau}, "train_seconds": seconds}))
 
 
-def _results(out: Path, tau: float) -> None:
+def _results(out: Path, tau: float, temperatures: list[float] = (0.0,)) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"results": {s: {"t0": {"tau": tau}} for s in SUITES}}))
+    (out / "results.json").write_text(json.dumps(
+        {"results": {s: {f"t{t:g}": {"tau": tau} for t in temperatures} for s in SUITES}}))
 
 
 def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
@@ -65,11 +66,25 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
             summary = json.loads((run / "train_summary.json").read_text())
             (run / "train_summary.json").write_text(json.dumps({**summary, "wall_time_s": 0.9 * steps}))
         elif module == "experiments.evaluate":
-            _results(run, 1.5)
+            temperatures = next(a for a in args if a.startswith("temperatures=")).split("=")[1]
+            _results(run, 1.5, json.loads(temperatures))
+        elif module == "experiments.export":
+            out = Path(next(a for a in args if a.startswith("out=")).split("=", 1)[1])
+            out.mkdir(parents=True)
+            (out / "config.json").write_text("{}")
+        elif module == "experiments.report":
+            Path(args[-1]).mkdir(parents=True)
+            (Path(args[-1]) / "report.json").write_text("{}")
         elif module == "experiments.bench.train":
             Path(args[-1]).write_text("{}")
 
+    def ship(drafter_dir, results, out, record, *, name, command, extra):
+        calls.append((f"ship {name}", "ship", [str(drafter_dir), str(results), command]))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "card.json").write_text("{}")
+
     monkeypatch.setattr(long_job, "stage", fake)
+    monkeypatch.setattr(long_job, "ship_drafter", ship)
     return calls
 
 
@@ -103,7 +118,19 @@ def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafter
     evaluated = [n for n in names if n.startswith("eval ")]
     assert "eval long/l2r_all/snapshots/step-1000" in evaluated and "eval long/l2r_all/drafter" in evaluated
     assert "eval curve/l2r_all-rowsall-gamma4/drafter" not in evaluated  # a γ candidate not chosen
-    assert [s["stage"] for s in log["stages"]] == names
+    assert "temperatures=[0.0, 1.0]" in by_name["eval long/l2r_all/drafter"]  # the final long drafters: T=0 and T=1
+    assert "temperatures=[0.0]" in by_name["eval long/l2r_all/snapshots/step-1000"]
+    shipped = [c for c in calls if c[1] == "ship"]
+    assert [c[0] for c in shipped] == ["ship l2r_all_long", "ship uniform_long"]
+    assert shipped[0][2][1].endswith("eval/long/l2r_all/drafter/results.json")  # the card's τ: these weights'
+    assert "loss.gamma=2.0" in shipped[0][2][2] and "loss=l2r_all" in shipped[0][2][2]  # the command that trained it
+    assert names.index("eval long/l2r_all/drafter") < names.index("ship l2r_all_long") < names.index(
+        "export l2r_all_long") < names.index("train ar_assistant")
+    assert "export uniform_long" not in names  # ship.dflash: l2r_all only
+    assert names.index("ship uniform_long") < names.index("report long") < names.index("train curve/uniform-rows738")
+    assert by_name["report long"][:2] == [str(tmp_path / "run" / "eval" / "long" / loss / "drafter")
+                                          for loss in ("l2r_all", "uniform")]
+    assert [s["stage"] for s in log["stages"]] == [n for n in names if not n.startswith("ship ")]
 
     doc = json.loads((tmp_path / "run" / "data_scale" / "data_scale.json").read_text())
     assert [p["train_rows"] for p in doc["answers"]["uniform"]] == [100, 100, 100]

@@ -29,6 +29,8 @@ from drafters.dflash import export_dflash, model_card
 from drafters.model import DFlashDrafter
 from experiments.data.target import load_target_model
 
+# The loss settings a model card names (conf/loss/).
+LOSS_KEYS = ("gamma", "schedule", "focal_weight", "focal_gamma", "chain_weight", "dpace", "soft")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -55,8 +57,7 @@ def _loss_text(choice: str | None, loss: dict | None) -> str | None:
     if not loss and not choice:
         return None
     loss = loss or {}
-    keys = ("gamma", "schedule", "focal_weight", "focal_gamma", "chain_weight", "dpace", "soft")
-    settings = ", ".join(f"{k}={loss[k]}" for k in keys if k in loss)
+    settings = ", ".join(f"{k}={loss[k]}" for k in LOSS_KEYS if k in loss)
     return f"`{choice or 'unknown'}` (blockdraft AcceptanceAlignedLoss: {settings})" if settings else f"`{choice}`"
 
 
@@ -91,7 +92,7 @@ def _tau_table(results: dict) -> dict[str, dict[str, float]]:
     return table
 
 
-def _trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
+def trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
     """``(settings, choices)`` the training of ``run_dir`` used, from its ``run_settings.json`` (flat dotted keys,
     nested again); ``(None, {})`` when it has none or it cannot be read."""
     try:
@@ -108,28 +109,33 @@ def _trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
     return OmegaConf.create(nested), dict(saved.get("choices") or {})
 
 
-def describe_run(drafter_dir: str | Path) -> dict[str, Any]:
-    """What the model card says about the training run holding ``drafter_dir`` (missing items: None)."""
+def describe_run(drafter_dir: str | Path, results: str | Path | None = None) -> dict[str, Any]:
+    """What the model card says about the training run holding ``drafter_dir`` (missing items: None); τ from
+    ``results`` (an evaluation's results.json), else from the run's own results.json."""
     run_dir = Path(drafter_dir).expanduser().resolve().parent
-    trained, choices = _trained_settings(run_dir)
+    trained, choices = trained_settings(run_dir)
     cfg = trained if trained is not None else _load_yaml(run_dir / ".hydra" / "config.yaml")
     hydra_cfg = _load_yaml(run_dir / ".hydra" / "hydra.yaml")
-    summary, results = {}, {}
-    for name, holder in (("train_summary.json", summary), ("results.json", results)):
+    summary: dict = {}
+    results_path = Path(results).expanduser() if results else run_dir / "results.json"
+    if results and not results_path.is_file():
+        raise FileNotFoundError(f"results={results}: no such file; give an evaluation's results.json of this drafter")
+    evaluation: dict = {}
+    for path, holder in ((run_dir / "train_summary.json", summary), (results_path, evaluation)):
         try:
-            holder.update(json.loads((run_dir / name).read_text()) if (run_dir / name).is_file() else {})
+            holder.update(json.loads(path.read_text()) if path.is_file() else {})
         except (OSError, json.JSONDecodeError):
             pass
     target_path, target_name = _select(cfg, "target.path"), _select(cfg, "target.name")
-    if target_path is None and isinstance(results.get("target"), dict):
-        target_path = results["target"].get("path")
+    if target_path is None and isinstance(evaluation.get("target"), dict):
+        target_path = evaluation["target"].get("path")
     return {
         "run_dir": str(run_dir),
         "target": target_path or target_name,
         "target_name": target_name,
         "data": _data_text(cfg, summary),
         "loss": _loss_text(choices.get("loss") or _select(hydra_cfg, "hydra.runtime.choices.loss"), _select(cfg, "loss")),
-        "tau": _tau_table(results) or None,
+        "tau": _tau_table(evaluation) or None,
         "max_position_embeddings": _target_positions(target_path),
     }
 
@@ -167,7 +173,7 @@ def export_for_serving(cfg: DictConfig) -> Path:
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}; expected one of {sorted(DTYPES)} or null")
     drafter = factory.load(drafter_dir, allow_edited_settings=bool(cfg.drafter.get("allow_edited_settings", False)))
-    info = describe_run(drafter_dir)
+    info = describe_run(drafter_dir, cfg.get("results"))
     out = Path(str(cfg.out)).expanduser()
     target = cfg.target or info["target"]
     check_card_target(drafter, drafter_dir, target, bool(cfg.drafter.get("allow_other_target", False)))

@@ -11,17 +11,22 @@ gives the results that matter most first:
 2. ``gamma``: ``l2r_all`` at each ``gamma`` on all the answers for ``curve.steps`` steps; the value with the best
    held-out τ (``val/tau_greedy`` on the held-out split of the training answers, never the suites) goes to
    ``gamma.json`` and into every later ``l2r_all`` run;
-3. ``long``: each of ``long.losses`` for the experiment's budget, the drafter saved at ``train.snapshot_steps``;
-   after the long ``l2r_all``, the ar_assistant on the same answers for as long (``long_assistant``);
+3. ``long``: each of ``long.losses`` for the experiment's budget, the drafter saved at ``train.snapshot_steps``,
+   its final drafter evaluated at ``long.temperatures`` and shipped (``ship``: :mod:`experiments.pipeline.ship`,
+   ``<ship.dir>/<loss>_long`` with its model card; those in ``ship.dflash`` also exported to the DFlash format in
+   ``<loss>_long/dflash``); after the long ``l2r_all``, the ar_assistant on the same answers for as long
+   (``long_assistant``); after the last, ``long_report`` (``experiments.report``: the paired gains at the long
+   budget);
 4. ``curve``: each of ``curve.losses`` on each ``curve.train_rows`` answers (nested subsets), equal steps.
 
 After each training its drafters (the final one and the snapshots) are evaluated on the main job's suites (T=0,
-replayed) and ``<run dir>/data_scale`` is rewritten (:mod:`experiments.reporting.data_scale`: JSON, PNG, Markdown).
+replayed; a long run's final drafter also at the other ``long.temperatures``) and ``<run dir>/data_scale`` is rewritten (:mod:`experiments.reporting.data_scale`: JSON, PNG, Markdown).
 A stage whose output exists is skipped (a finished training's ``train_summary.json`` at its budget, an
 evaluation's ``results.json`` with every suite); an unfinished one resumes itself (shards, ``last.ckpt``).
 
 Run dir layout: ``data/``, ``sharegpt_answers/``, ``curve/<loss>-rows<N|all>[-gamma<g>]/``, ``long/<loss>/``
-(with ``snapshots/step-<N>/``), ``assistant/``, ``eval/<run>/``, ``data_scale/``.
+(with ``snapshots/step-<N>/``), ``assistant/``, ``eval/<run>/``, ``data_scale/``, ``long_report/``, ``assets/``
+(``ship.dir``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.pipeline.main_job import portable_summary, stage
+from experiments.pipeline.ship import ship_drafter
 from experiments.reporting import data_scale
 
 SUMMARY = "long_summary.json"
@@ -50,9 +56,9 @@ def trained(run: Path, steps: int | None = None) -> bool:
     return summary is not None and (steps is None or summary["steps"] >= steps)
 
 
-def evaluated(out: Path, suites: list[str]) -> bool:
-    """Whether ``out/results.json`` holds T=0 for every one of ``suites``."""
-    return data_scale.suites_tau(out / "results.json", suites) is not None
+def evaluated(out: Path, suites: list[str], temperatures=(0.0,)) -> bool:
+    """Whether ``out/results.json`` holds every one of ``temperatures`` for every one of ``suites``."""
+    return all(data_scale.suites_tau(out / "results.json", suites, t) is not None for t in temperatures)
 
 
 class LongJob:
@@ -62,6 +68,7 @@ class LongJob:
         self.cfg, self.run_dir = cfg, Path(cfg.paths.run_dir).resolve()
         self.science = [f"experiment={cfg.train_experiment}", "launch=run", f"seed={cfg.seed}", *cfg.common_overrides]
         self.log = {"run_dir": str(self.run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
+        self.gamma: float | None = None  # l2r_all's, once chosen
 
     def stage(self, name: str, module: str, args: list[str]) -> None:
         stage(name, module, args, self.log)
@@ -73,12 +80,16 @@ class LongJob:
         self.data_dir = self.data()
         if self.cfg.get("bench") and not (self.run_dir / "bench_train.json").is_file():
             self.stage("bench", "experiments.bench.train", [*self.cfg.bench, "--out", str(self.run_dir / "bench_train.json")])
-        gamma = self.choose_gamma()
-        for run in itertools.chain(self.long(gamma), self.curve(gamma)):
+        self.gamma = self.choose_gamma()
+        for run in itertools.chain(self.long(), self.curve()):
             self.evaluate([run])
+            if run.parent.name == "long":
+                self.ship(run)
             self.report()
             if run.parent.name == "long" and run.name == "l2r_all":
                 self.assistant()
+            if run.parent.name == "long" and run.name == self.cfg.long.losses[-1]:
+                self.long_report()
         self.log["seconds_this_launch"] = round(time.time() - t0, 1)
         (self.run_dir / SUMMARY).write_text(portable_summary(self.log, self.run_dir))
         return self.log
@@ -137,21 +148,24 @@ class LongJob:
         print(f"[long] l2r_all's gamma: {chosen:g} (held-out τ {held_out})", flush=True)
         return chosen
 
-    def _gamma(self, loss: str, gamma: float | None) -> float | None:
-        return gamma if loss == "l2r_all" else None
+    def _gamma(self, loss: str) -> float | None:
+        """The γ chosen for ``loss`` (only ``l2r_all`` has one; None: its configured γ)."""
+        return self.gamma if loss == "l2r_all" else None
 
-    def curve(self, gamma: float | None) -> Iterator[Path]:
+    def curve(self) -> Iterator[Path]:
         """Each curve run, trained as it is reached."""
         for loss in self.cfg.curve.losses:
             for rows in self.cfg.curve.train_rows:
-                yield self._curve_run(loss, rows, self._gamma(loss, gamma))
+                yield self._curve_run(loss, rows, self._gamma(loss))
 
-    def long(self, gamma: float | None) -> Iterator[Path]:
+    def _long_args(self, loss: str) -> list[str]:
+        g = self._gamma(loss)
+        return [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides]
+
+    def long(self) -> Iterator[Path]:
         """Each long run, trained as it is reached."""
         for loss in self.cfg.long.losses:
-            g = self._gamma(loss, gamma)
-            yield self.train(self.run_dir / "long" / loss, loss,
-                             [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides])
+            yield self.train(self.run_dir / "long" / loss, loss, self._long_args(loss))
 
     def assistant(self) -> None:
         """The ar_assistant for as long as the long l2r_all trained (null ``long_assistant``: none): its steps from
@@ -181,6 +195,32 @@ class LongJob:
                    ["--config-name", spec.config_name, f"seed={self.cfg.seed}", *self.cfg.common_overrides,
                     *spec.overrides, *overrides, f"hydra.run.dir={run}"])
 
+    # ---- shipping ------------------------------------------------------------------------------------
+
+    def ship(self, run: Path) -> Path:
+        """The long run's final drafter as ``<ship.dir>/<loss>_long`` with its card (and its DFlash export)."""
+        name, out = f"{run.name}_long", Path(self.cfg.ship.dir) / f"{run.name}_long"
+        dflash = run.name in self.cfg.ship.dflash
+        if (out / "card.json").is_file() and (not dflash or (out / "dflash" / "config.json").is_file()):
+            return out
+        results = self.run_dir / "eval" / run.relative_to(self.run_dir) / "drafter" / "results.json"
+        record = _read(Path(self.cfg.export_answers) / "record.json")
+        command = " ".join(["python -m experiments.train", *self.science, f"loss={run.name}", *self._long_args(run.name)])
+        ship_drafter(run / "drafter", results, out, record, name=name, command=command, extra=("dflash",))
+        if dflash:
+            self.stage(f"export {name}", "experiments.export",
+                       [f"drafter.path={run / 'drafter'}", f"out={out / 'dflash'}", f"results={results}",
+                        f"dtype={self.cfg.ship.dflash_dtype or 'null'}"])
+        print(f"[long] {name} shipped to {out}", flush=True)
+        return out
+
+    def long_report(self) -> None:
+        """The paired gains of the long drafters over the long ``uniform`` (``long_report/``)."""
+        evals = [self.run_dir / "eval" / "long" / loss / "drafter" for loss in self.cfg.long.losses]
+        if (self.run_dir / "long_report" / "report.json").is_file():
+            return
+        self.stage("report long", "experiments.report", [*map(str, evals), "--out", str(self.run_dir / "long_report")])
+
     # ---- evaluation ----------------------------------------------------------------------------------
 
     def suites(self) -> list[str]:
@@ -195,10 +235,12 @@ class LongJob:
             drafters.append(run / "drafter")
         for drafter in drafters:
             out = self.run_dir / "eval" / drafter.relative_to(self.run_dir)
-            if drafter.is_dir() and not evaluated(out, self.suites()):
+            final_long = drafter.name == "drafter" and drafter.parent.parent.name == "long"
+            temperatures = list(self.cfg.long.temperatures) if final_long else [0.0]
+            if drafter.is_dir() and not evaluated(out, self.suites(), temperatures):
                 self.stage(f"eval {drafter.relative_to(self.run_dir)}", "experiments.evaluate",
                            [f"target={self.cfg.eval_target}", *self.cfg.common_overrides, f"drafter.path={drafter}",
-                            *self.cfg.evaluate_overrides, "temperatures=[0.0]", f"hydra.run.dir={out}"])
+                            *self.cfg.evaluate_overrides, f"temperatures={temperatures}", f"hydra.run.dir={out}"])
 
 
 def run_long_job(cfg: DictConfig) -> dict:

@@ -1,0 +1,131 @@
+"""Long-trained drafters shipped as assets (issue 50; the long job's ``ship`` stage, :mod:`experiments.pipeline.long_job`).
+
+``<ship dir>/<name>/`` holds the drafter exactly as training saved it (``config.json``, ``model.safetensors``,
+``blockdraft_record.json``: ``drafter.path=<it>`` loads it, and refuses it with another target), plus its model
+card, ``card.json`` to read by program and ``README.md`` to read by eye:
+
+* ``training``: the loss and its settings, optimizer steps, training time (``train_seconds``: every resume added
+  up), threads, torch, the command line's overrides and the held-out τ at the end;
+* ``data``: the recorded answers it trained on, with their sha256 (``answers_sha256``, ``record_sha256``), rows and
+  response tokens, and how many rows trained and were held out;
+* ``tau``: τ per suite and their mean at each temperature of an evaluation of these very weights (its
+  ``results.json``, whose weights hash must match), with the evaluation's commit and settings;
+* ``command``: what trained it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from drafters.locks import file_digest
+from experiments.pipeline.export import LOSS_KEYS, trained_settings
+
+CARD = "card.json"
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    return json.loads(path.read_text())
+
+
+def _tau(results: dict) -> dict[str, dict[str, float]]:
+    """``{"T=<t>": {suite: τ, ..., "mean": τ}}`` of a results.json document."""
+    by_temperature: dict[str, dict[str, float]] = {}
+    for suite, entries in results["results"].items():
+        for key, entry in entries.items():
+            by_temperature.setdefault(f"T={key[1:]}", {})[suite] = round(float(entry["tau"]), 4)
+    for row in by_temperature.values():
+        row["mean"] = round(float(np.mean(list(row.values()))), 4)
+    return by_temperature
+
+
+def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: str, command: str) -> dict:
+    """The model card of the drafter in ``drafter_dir`` (saved by a training run: its parent) evaluated in
+    ``results``; a results.json of other weights is refused."""
+    run = drafter_dir.parent
+    evaluation, summary = _read(results), _read(run / "train_summary.json")
+    weights = file_digest(sorted(drafter_dir.glob("*.safetensors")))
+    if evaluation["drafter"].get("weights_sha256") != weights:
+        raise ValueError(f"{results} evaluated other weights than {drafter_dir} "
+                         f"({evaluation['drafter'].get('weights_sha256')} != {weights}): evaluate this drafter")
+    settings, choices = trained_settings(run)
+    loss = (settings.get("loss") if settings is not None else None) or {}
+    target = {k: v for k, v in evaluation["target"].items() if k != "path"}
+    return {
+        "name": name,
+        "target": target,
+        "drafter": {"parameters": summary["drafter_parameters"], "weights_sha256": weights,
+                    "settings": _read(drafter_dir / "blockdraft_record.json")["settings"]},
+        "training": {"loss": choices.get("loss"), "loss_settings": {k: loss[k] for k in LOSS_KEYS if k in loss},
+                     "steps": summary["steps"], "train_seconds": summary["train_seconds"],
+                     "threads": summary["threads"], "torch": summary["torch"], "overrides": summary["overrides"],
+                     "held_out": summary["val"]},
+        "data": {"answers_sha256": data_record["answers_sha256"], "record_sha256": data_record["record_sha256"],
+                 "rows": data_record["rows"], "response_tokens": data_record["response_tokens"],
+                 "engine": data_record.get("engine"), "train_rows": summary["train_rows"],
+                 "held_out_rows": summary["val_rows"]},
+        "tau": _tau(evaluation),
+        "evaluation": {"commit": evaluation.get("git_commit"), "settings": evaluation["settings"],
+                       "prompts": {s: e[next(iter(e))]["num_prompts"] for s, e in evaluation["results"].items()}},
+        "command": command,
+    }
+
+
+def render(card: dict) -> str:
+    """README.md of a shipped drafter: the card as prose and a table."""
+    t, d, dr = card["training"], card["data"], card["drafter"]
+    settings = ", ".join(f"{k}={v}" for k, v in t["loss_settings"].items())
+    temps = list(card["tau"])
+    suites = [s for s in card["tau"][temps[0]] if s != "mean"] + ["mean"] if temps else []
+    lines = [
+        (f"# `{card['name']}`: a blockdraft drafter for {card['target'].get('model_type')} "
+        f"({card['target'].get('num_hidden_layers')} layers)"),
+        "",
+        (f"A {dr['settings']['num_layers']}-layer block drafter ({dr['parameters']:,} parameters, block size "
+        f"{dr['settings']['block_size']}) trained with the `{t['loss']}` loss ({settings or 'default settings'})."),
+        (f"Use it with `drafter.path=<this folder>`; another target is refused (the drafter records its target's "
+        f"weights signature, `{dr['settings']['target_fingerprint'].get('weights_sha1', 'unknown')}`)."),
+        "",
+        "## Training",
+        "",
+        f"- command: `{card['command']}`",
+        (f"- {t['steps']:,} optimizer steps in {t['train_seconds'] / 3600:.2f} h on {t['threads']} CPU threads "
+        f"(torch {t['torch']}); held-out τ at the end: {json.dumps(t['held_out'])}"),
+        (f"- data: {d['rows']:,} recorded answers ({d['response_tokens']:,} response tokens), {d['train_rows']:,} "
+        f"training and {d['held_out_rows']:,} held-out rows; answers sha256 `{d['answers_sha256']}`, record sha256 "
+        f"`{d['record_sha256']}`"),
+        f"- weights sha256 (blockdraft's content hash): `{dr['weights_sha256']}`",
+        "",
+        f"## τ (accepted tokens per verification step, exact verification; commit {card['evaluation']['commit']})",
+        "",
+        "| suite | " + " | ".join(temps) + " |",
+        "|---" * (len(temps) + 1) + "|",
+    ]
+    for suite in suites:
+        lines.append(f"| {suite} | " + " | ".join(f"{card['tau'][t].get(suite, float('nan')):.3f}" for t in temps) + " |")
+    prompts = ", ".join(f"{s} {n}" for s, n in card["evaluation"]["prompts"].items())
+    lines += ["", f"Prompts per suite: {prompts}. Settings: `{json.dumps(card['evaluation']['settings'])}`.", ""]
+    return "\n".join(lines)
+
+
+def ship_drafter(drafter_dir: str | Path, results: str | Path, out: str | Path, data_record: dict, *, name: str,
+                 command: str, extra: Sequence[str] = ()) -> Path:
+    """Copy the drafter in ``drafter_dir`` to ``out`` with its card (``card.json``, ``README.md``); returns ``out``.
+    ``extra``: names of other folders already in ``out`` that are kept (e.g. a ``dflash/`` export)."""
+    drafter_dir, out = Path(drafter_dir), Path(out)
+    card = drafter_card(drafter_dir, Path(results), data_record, name=name, command=command)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.iterdir():
+        if stale.is_file() or stale.name not in extra:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    for path in sorted(drafter_dir.iterdir()):
+        shutil.copy2(path, out / path.name)
+    (out / CARD).write_text(json.dumps(card, indent=1) + "\n")
+    (out / "README.md").write_text(render(card))
+    return out

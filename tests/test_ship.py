@@ -1,0 +1,101 @@
+"""experiments.pipeline.ship: a long-trained drafter copied as an asset with its model card (data and its sha256,
+steps, training time, commit, τ per suite), loadable by ``drafter.path=``; an evaluation of other weights refused;
+the DFlash export's card reading τ from a given evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from drafters import factory
+from drafters.locks import file_digest
+from experiments.pipeline.export import export_for_serving
+from experiments.pipeline.ship import ship_drafter
+
+pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state")
+
+RECORD = {"answers_sha256": "a" * 64, "record_sha256": "b" * 64, "rows": 10887, "response_tokens": 2015720,
+          "engine": {"name": "vllm", "version": "0.32.0"}}
+SUITES = {"humaneval": (1.8123, 1.4567), "gsm_symbolic": (2.0, 1.5), "mtbench": (1.7, 1.3)}
+
+
+def _target(path):
+    config = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _long_run(tmp_path):
+    """A long run as experiments.train leaves it (what the card reads) and an evaluation of its drafter."""
+    target = _target(tmp_path / "target")
+    run = tmp_path / "run" / "long" / "l2r_all"
+    factory.from_target(target, block_size=8, num_layers=1).save_pretrained(run / "drafter")
+    (run / "run_settings.json").write_text(json.dumps(
+        {"choices": {"loss": "l2r_all"}, "settings": {"loss.gamma": 2.0, "loss.chain_weight": 40.0, "seed": 0}}))
+    (run / "train_summary.json").write_text(json.dumps(
+        {"steps": 20000, "train_seconds": 9000.0, "threads": 2, "torch": "2.13.0+cpu", "train_rows": 10343,
+         "val_rows": 544, "drafter_parameters": 12345, "overrides": ["loss=l2r_all", "loss.gamma=2.0"],
+         "val": {"val/tau_greedy": 2.1}}))
+    evaluation = tmp_path / "run" / "eval" / "long" / "l2r_all" / "drafter" / "results.json"
+    evaluation.parent.mkdir(parents=True)
+    evaluation.write_text(json.dumps({
+        "git_commit": "c" * 40, "settings": {"batch_size": 8, "replay_greedy": True},
+        "target": {"model_type": "qwen3", "num_hidden_layers": 3, "path": str(tmp_path / "target")},
+        "drafter": {"weights_sha256": file_digest(sorted((run / "drafter").glob("*.safetensors")))},
+        "results": {s: {"t0": {"tau": t0, "num_prompts": 16}, "t1": {"tau": t1, "num_prompts": 16}}
+                    for s, (t0, t1) in SUITES.items()}}))
+    return run, evaluation, target
+
+
+def test_a_shipped_drafter_loads_and_its_card_says_how_it_was_made(tmp_path):
+    run, evaluation, target = _long_run(tmp_path)
+    out = tmp_path / "assets" / "l2r_all_long"
+    (out / "dflash").mkdir(parents=True)  # an export kept across a re-ship; a stale file is not
+    (out / "stale.safetensors").write_text("old")
+    ship_drafter(run / "drafter", evaluation, out, RECORD, name="l2r_all_long",
+                 command="python -m experiments.train experiment=smollm2_long loss=l2r_all loss.gamma=2.0",
+                 extra=("dflash",))
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "blockdraft_record.json", "card.json",
+                                                     "config.json", "dflash", "model.safetensors"]
+    drafter = factory.load(out, target)  # checked against the record and the target it was trained for
+    assert drafter.config.block_size == 8
+    card = json.loads((out / "card.json").read_text())
+    assert card["training"] | {"overrides": None} == {
+        "loss": "l2r_all", "loss_settings": {"gamma": 2.0, "chain_weight": 40.0}, "steps": 20000,
+        "train_seconds": 9000.0, "threads": 2, "torch": "2.13.0+cpu", "overrides": None,
+        "held_out": {"val/tau_greedy": 2.1}}
+    assert card["data"]["answers_sha256"] == "a" * 64 and card["data"]["train_rows"] == 10343
+    assert card["tau"]["T=0"] == {"humaneval": 1.8123, "gsm_symbolic": 2.0, "mtbench": 1.7, "mean": 1.8374}
+    assert card["tau"]["T=1"]["mean"] == pytest.approx((1.4567 + 1.5 + 1.3) / 3, abs=1e-4)
+    assert card["evaluation"]["commit"] == "c" * 40 and "path" not in card["target"]
+    readme = (out / "README.md").read_text()
+    for text in ("# `l2r_all_long`", "20,000 optimizer steps in 2.50 h", "gamma=2.0", "| humaneval | 1.812 | 1.457 |",
+                 "| mean | 1.837 | 1.419 |", "a" * 64, "loss.gamma=2.0`", "c" * 40):
+        assert text in readme, text
+
+
+def test_an_evaluation_of_other_weights_is_refused(tmp_path):
+    run, evaluation, _ = _long_run(tmp_path)
+    doc = json.loads(evaluation.read_text())
+    doc["drafter"]["weights_sha256"] = "0" * 64
+    evaluation.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="evaluated other weights than .*evaluate this drafter"):
+        ship_drafter(run / "drafter", evaluation, tmp_path / "out", RECORD, name="x", command="c")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_dflash_exports_card_reads_tau_from_the_given_evaluation(tmp_path):
+    run, evaluation, _ = _long_run(tmp_path)
+    cfg = {"drafter": {"path": str(run / "drafter")}, "out": str(tmp_path / "dflash"), "target": None,
+           "dtype": None, "max_position_embeddings": None}
+    card = (export_for_serving(OmegaConf.create({**cfg, "results": str(evaluation)})) / "README.md").read_text()
+    assert "| humaneval | 1.812 | 1.457 |" in card
+    with pytest.raises(FileNotFoundError, match="results=.*nowhere.json: no such file"):
+        export_for_serving(OmegaConf.create({**cfg, "results": str(tmp_path / "nowhere.json")}))
