@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hydra import compose, initialize_config_module
 
 from experiments.pipeline import main_job
@@ -15,10 +17,12 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
         log["stages"].append({"stage": name, "seconds": 0.0})
         if module == "experiments.pipeline.choose_k":
             (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}, '
-                                                   '"block_width": {"l2r_all": {"chosen_k": 2}}}')
+                                                   '"block_width": {"l2r_all": {"chosen_k": 2}, '
+                                                   '"l2r_all_long": {"chosen_k": 2}}}')
         if module == "experiments.report":
-            (tmp_path / "report").mkdir()
-            (tmp_path / "report" / "report.md").write_text("table\n")
+            out = Path(overrides[-1])
+            out.mkdir()
+            (out / "report.md").write_text("table\n")
 
     monkeypatch.setattr(main_job, "stage", fake_stage)
     (tmp_path / "train" / "uniform").mkdir(parents=True)  # what the training stage records
@@ -57,6 +61,67 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
     report = by_name["report"]
     assert report[:4] == [str(tmp_path / "eval" / d) for d in drafters]
     assert report[4:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
+
+
+def _shipped(tmp_path) -> list[str]:
+    """Overrides pointing conf/main.yaml's shipped drafters and assistant at stand-in folders."""
+    for name in ("uniform_long", "l2r_all_long", "ar_assistant_smollm2"):
+        (tmp_path / "assets" / name).mkdir(parents=True)
+        (tmp_path / "assets" / name / "config.json").write_text("{}")
+    return [f"shipped.uniform_long={tmp_path}/assets/uniform_long", f"shipped.l2r_all_long={tmp_path}/assets/l2r_all_long",
+            f"assistant.path={tmp_path}/assets/ar_assistant_smollm2"]
+
+
+def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp_path, monkeypatch):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path)])
+    calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
+    names = [c[0] for c in calls]
+    drafters = ["uniform", "l2r_all", "uniform_long", "l2r_all_long", "prompt_lookup", "ar_assistant"]
+    timed = list(cfg.speed_drafters)
+    assert timed == ["l2r_all_long", "prompt_lookup", "ar_assistant"]
+    assert names == ["data", "train uniform", "train l2r_all", "choose K",  # the assistant is shipped, not trained
+                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in timed), "report", "report report_long"]
+    assert [s["stage"] for s in log["stages"]] == names  # a time per stage
+    by_name = {c[0]: c[2] for c in calls}
+    assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2_sharegpt"
+    assets = tmp_path / "assets"
+    assert f"drafter.path={assets}/ar_assistant_smollm2" in by_name["eval ar_assistant"]
+    assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
+    assert by_name["choose K"][-4:] == ["--assistant", f"{assets}/ar_assistant_smollm2",
+                                        "--drafter", f"l2r_all_long={assets}/l2r_all_long"]
+    assert by_name["eval l2r_all_long"][:4] == ["target=smollm2", f"drafter.path={assets}/l2r_all_long",
+                                                "drafter.name=l2r_all_long", "temperatures=[0.0]"]
+    assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all_long"]  # its best W at batch 1, chosen held out
+    assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all_long"])  # τ: the whole block
+    assert not any(a.startswith("temperatures") for a in by_name["eval l2r_all"])  # trained here: T=0 and T=1
+    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
+    assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
+    for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
+        for d in drafters if kind == "eval" else timed:
+            args = by_name[f"{kind} {d}"]
+            assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
+            assert args[-len(overrides) - 1:-1] == list(overrides)
+    assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
+    assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
+    report = by_name["report"]
+    assert report[:6] == [str(tmp_path / "eval" / d) for d in drafters]
+    assert report[6:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
+    assert by_name["report report_long"] == [str(tmp_path / "eval" / "uniform_long"), str(tmp_path / "eval" / "l2r_all_long"),
+                                             "--baseline", "uniform_long", "--out", str(tmp_path / "report_long")]
+
+
+def test_a_missing_shipped_drafter_or_assistant_is_named_before_any_stage(tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(main_job, "stage", lambda *a: pytest.fail("no stage may run"))
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        shipped = _shipped(tmp_path)
+        for missing, match in ((f"shipped.l2r_all_long={tmp_path}/nowhere", "shipped.l2r_all_long=.*nowhere holds no drafter"),
+                               (f"assistant.path={tmp_path}/nowhere", "assistant.path=.*nowhere holds no model")):
+            cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *shipped, missing])
+            with pytest.raises(FileNotFoundError, match=match):
+                main_job.run_main_job(cfg)
 
 
 def test_the_tiny_regimes_main_job_keeps_its_baselines_and_drafting_settings(tmp_path, monkeypatch):

@@ -190,6 +190,16 @@ def test_prompt_subsets_are_nested_and_keep_their_order():
         corpora.prompt_subset(prompts, 0)
 
 
+def test_a_training_prompt_subset_stands_in_for_the_whole_sets_spec():
+    from experiments.pipeline import recorded_answers as ra
+
+    whole = {"sources": ["code_chat"], "per_source": 40}
+    subset = corpora.training_prompt_subset(count=7, **whole)
+    assert subset == corpora.prompt_subset(corpora.training_prompts(**whole), 7) and len(subset) == 7
+    generation = {"prompts": {"_target_": ra.SUBSET, "count": 7, **whole}, "max_new_tokens": 256}
+    assert ra.whole_set(generation) == {"prompts": {"_target_": ra.WHOLE, **whole}, "max_new_tokens": 256}
+
+
 def test_recorded_answers_answer_a_subset_of_their_prompts_and_nothing_else(tmp_path):
     from omegaconf import OmegaConf
 
@@ -205,7 +215,7 @@ def test_recorded_answers_answer_a_subset_of_their_prompts_and_nothing_else(tmp_
         return OmegaConf.create({"data": {"generation": generation}, "batch_size": backend.record["batch_size"],
                                  "target": {"path": str(target)}})
 
-    subset = {**whole, "prompts": {"_target_": ra.SUBSET, "count": 100, "prompts": whole["prompts"]}}
+    subset = {**whole, "prompts": {**whole["prompts"], "_target_": ra.SUBSET, "count": 100}}
     backend._check_settings(cfg(subset))  # accepted: the whole set was recorded
     for other in ({**subset, "max_new_tokens": 7},
                   {**whole, "prompts": {**whole["prompts"], "per_source": 3}}):

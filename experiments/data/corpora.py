@@ -262,13 +262,18 @@ def prompt_subset(prompts: Sequence[dict], count: int, seed: int = 0) -> list[di
     """The first ``count`` of ``prompts`` ordered by a stable hash of their ids, in their original order.
 
     Subsets are nested (a smaller count keeps a subset of a larger one), so answers recorded for the whole
-    set answer any subset of it (:class:`experiments.pipeline.recorded_answers.RecordedBackend`). In a config,
-    the whole set's spec goes under ``prompts``::
-
-        prompts: {_target_: experiments.data.corpora.prompt_subset, count: 2500,
-                  prompts: {_target_: experiments.data.corpora.training_prompts, ...}}
+    set answer any subset of it (:class:`experiments.pipeline.recorded_answers.RecordedBackend`).
     """
     if count < 1:
         raise ValueError(f"prompt_subset: count must be >= 1, got {count}")
     kept = set(sorted(range(len(prompts)), key=lambda i: stable_seed(seed, prompts[i]["id"]))[:count])
     return [p for i, p in enumerate(prompts) if i in kept]
+
+
+def training_prompt_subset(count: int, **whole) -> list[dict]:
+    """:func:`prompt_subset` of ``count`` of :func:`training_prompts` (``whole``: its arguments). It stands in
+    training_prompts' place in a config, so two keys pick a subset of a recorded set::
+
+        prompts: {_target_: experiments.data.corpora.training_prompt_subset, count: 2500}
+    """
+    return prompt_subset(training_prompts(**whole), count)

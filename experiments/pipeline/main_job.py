@@ -5,13 +5,16 @@ By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-1
 1. ``experiments.regenerate experiment=<train_experiment>`` — the drafters' data (for SmolLM2: the recorded answers,
    installed after a regenerated batch matched them token for token);
 2. ``experiments.train`` — one drafter per loss in ``losses`` (the uniform baseline and ``l2r_all``), same data,
-   budget and seed; then ``experiments.train_assistant`` — the ``ar_assistant`` baseline on the same answers;
+   budget and seed; then ``experiments.train_assistant`` — the ``ar_assistant`` baseline on the same answers (or a
+   shipped one, ``assistant.path``). Block drafters trained elsewhere (``shipped``: report row -> folder, e.g. the
+   long job's, ``conf/main_sharegpt.yaml``) join the evaluations; a missing one is named before any stage runs;
 3. ``experiments.evaluate`` — every drafter and baseline on the suites at T=0 (replayed from the target's greedy
    answers, :mod:`experiments.pipeline.replay`) and T=1 (decoded, batch 8; ``evaluate_overrides``), then the
    drafters of ``speed_drafters`` again at batch 1, T=0, against the target alone (``speed_overrides``), each
    baseline at the K and each trained drafter verifying the W chosen on held-out training answers
    (``experiments.pipeline.choose_k``);
-4. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots.
+4. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots; then
+   each of ``extra_reports`` over its rows, with gains over its first (e.g. ``l2r_all_long`` over ``uniform_long``).
 
 Each stage runs as its own entry point (a subprocess, its own Hydra run dir under this job's run
 dir), so every stage can also be rerun by hand with the command printed here. Stages that already
@@ -83,7 +86,30 @@ def baseline_overrides(overrides, baseline: str, fill: dict[str, str | None]) ->
 
 _MADE_BY = {"data_dir": "the drafters' data folder, known from a trained loss's train_summary.json: train at "
                         "least one loss",
-            "assistant_dir": "the assistant of `assistant:`; set assistant.config_name"}
+            "assistant_dir": "the assistant of `assistant:`; set assistant.config_name or assistant.path"}
+
+
+def assistant_dir(cfg: DictConfig, run_dir: Path) -> str | None:
+    """The ar_assistant's folder: trained by this job (``assistant.config_name``), else shipped (``assistant.path``)."""
+    spec = cfg.get("assistant")
+    if not spec:
+        return None
+    if spec.get("config_name"):
+        return str(run_dir / "assistant" / "export")
+    if spec.get("path") and not (Path(str(spec.path)) / "config.json").is_file():
+        raise FileNotFoundError(f"assistant.path={spec.path} holds no model: ship one (python -m experiments.long) or "
+                                "set assistant.config_name to train one in this job")
+    return spec.get("path")
+
+
+def shipped_drafters(cfg: DictConfig) -> dict[str, Path]:
+    """``shipped``: the block drafters trained elsewhere, by report row; a missing folder is named up front."""
+    shipped = {name: Path(str(path)) for name, path in (cfg.get("shipped") or {}).items()}
+    for name, path in shipped.items():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"shipped.{name}={path} holds no drafter: ship it (python -m experiments.long, then "
+                                    f"copy <its run dir>/assets/{name} there) or drop {name} from shipped")
+    return shipped
 
 
 def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict) -> dict[str, list[str]]:
@@ -95,14 +121,14 @@ def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict)
         stage(f"train {loss}", "experiments.train", [*science, f"loss={loss}", f"seed={cfg.seed}",
                                                      *cfg.train_overrides, f"hydra.run.dir={train_dir}"], log)
         drafters[loss] = [f"drafter.path={train_dir}/drafter", *cfg.trained_evaluate_overrides]
-    if cfg.get("assistant") and "ar_assistant" in cfg.baselines:
+    if cfg.get("assistant") and cfg.assistant.get("config_name") and "ar_assistant" in cfg.baselines:
         stage("train ar_assistant", "experiments.train_assistant",
               ["--config-name", cfg.assistant.config_name, *cfg.common_overrides, *cfg.assistant.overrides,
                f"hydra.run.dir={run_dir}/assistant"], log)
     return drafters
 
 
-def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str, int]:
+def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path], log: dict) -> dict[str, int]:
     """With ``choose_k``: each of prompt_lookup and ar_assistant's best K on the held-out training answers
     (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``); ``{}`` without."""
     wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
@@ -115,8 +141,8 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, log: dict) -> dict[str
             "--ks", *map(str, cfg.choose_k.ks)]
     if "ar_assistant" in wanted and fill["assistant_dir"] is not None:
         args += ["--assistant", fill["assistant_dir"]]
-    for loss in _timed(cfg, cfg.losses):
-        args += ["--drafter", f"{loss}={run_dir / 'train' / loss / 'drafter'}"]
+    for name in _timed(cfg, blocks):
+        args += ["--drafter", f"{name}={blocks[name]}"]
     if not out.is_file():  # a resumed job keeps the K it chose
         stage("choose K", "experiments.pipeline.choose_k", args, log)
     chosen = json.loads(out.read_text())
@@ -129,37 +155,57 @@ def _timed(cfg: DictConfig, names) -> list[str]:
     return [n for n in names if cfg.get("speed_drafters") is None or n in cfg.speed_drafters]
 
 
-def run_main_job(cfg: DictConfig) -> dict:
-    """Data, training, the assistant, τ and speed evaluations of every drafter, the report (``conf/main.yaml``);
-    returns the stage log written to ``<run dir>/main_summary.json``."""
-    run_dir = Path(cfg.paths.run_dir).resolve()
-    science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
-    log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
-    t0 = time.time()
-    drafters = _train_stages(cfg, run_dir, science, log)
-    fill = {"data_dir": trained_data_dir(run_dir, cfg.losses),
-            "assistant_dir": str(run_dir / "assistant" / "export") if cfg.get("assistant") else None}
-    chosen = _choose_k(cfg, run_dir, fill, log)
-    for baseline in cfg.baselines:
-        extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
-        k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
-        drafters[baseline] = [f"drafter={baseline}", *extra, *k]
+def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], blocks: dict, chosen: dict,
+              log: dict) -> list[str]:
+    """τ of every drafter (``eval/<name>``), then speed at batch 1 of the timed ones (``speed/<name>``); returns
+    the timed ones."""
     evaluate = [f"target={cfg.eval_target}", *cfg.common_overrides]
     kinds = {"eval": list(cfg.evaluate_overrides)}
     if cfg.get("speed_overrides") is not None:
         kinds["speed"] = list(cfg.speed_overrides)
-    timed = _timed(cfg, drafters)
+    timed = _timed(cfg, drafters) if "speed" in kinds else []
     for kind, overrides in kinds.items():
         for name, args in drafters.items():
             if kind == "eval" or name in timed:
-                width = [f"drafter.max_draft_tokens={chosen[name]}"] if kind == "speed" and name in cfg.losses \
-                    and name in chosen else []  # a trained drafter verifies its best W at batch 1
+                width = [f"drafter.max_draft_tokens={chosen[name]}"] if kind == "speed" and name in blocks \
+                    and name in chosen else []  # a block drafter verifies its best W at batch 1
                 stage(f"{kind} {name}", "experiments.evaluate",
                       [*evaluate, *args, *width, *overrides, f"hydra.run.dir={run_dir / kind / name}"], log)
-    report_dir = run_dir / "report"
-    speed = ["--speed", *(str(run_dir / "speed" / n) for n in timed)] if "speed" in kinds else []
+    return timed
+
+
+def _reports(cfg: DictConfig, run_dir: Path, drafters: dict, timed: list[str], log: dict) -> Path:
+    """``report/`` (every drafter, gains over ``uniform``, speeds), then each of ``extra_reports`` (its rows, gains
+    over its first); returns ``report/``."""
+    speed = ["--speed", *(str(run_dir / "speed" / n) for n in timed)] if timed else []
     stage("report", "experiments.report", [*(str(run_dir / "eval" / n) for n in drafters), *speed,
-                                           "--out", str(report_dir)], log)
+                                           "--out", str(run_dir / "report")], log)
+    for name, rows in (cfg.get("extra_reports") or {}).items():
+        stage(f"report {name}", "experiments.report", [*(str(run_dir / "eval" / n) for n in rows),
+                                                        "--baseline", rows[0], "--out", str(run_dir / name)], log)
+    return run_dir / "report"
+
+
+def run_main_job(cfg: DictConfig) -> dict:
+    """Data, training, the assistant, τ and speed evaluations of every drafter (trained here, shipped, baselines),
+    the reports (``conf/main.yaml``); returns the stage log written to ``<run dir>/main_summary.json``."""
+    run_dir = Path(cfg.paths.run_dir).resolve()
+    science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
+    log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
+    t0 = time.time()
+    shipped, assistant = shipped_drafters(cfg), assistant_dir(cfg, run_dir)  # what is missing is named first
+    drafters = _train_stages(cfg, run_dir, science, log)
+    blocks = {loss: run_dir / "train" / loss / "drafter" for loss in cfg.losses} | shipped  # a W each
+    fill = {"data_dir": trained_data_dir(run_dir, cfg.losses), "assistant_dir": assistant}
+    chosen = _choose_k(cfg, run_dir, fill, blocks, log)
+    for name, path in shipped.items():
+        drafters[name] = [f"drafter.path={path}", f"drafter.name={name}", *cfg.shipped_overrides]
+    for baseline in cfg.baselines:
+        extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
+        k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
+        drafters[baseline] = [f"drafter={baseline}", *extra, *k]
+    timed = _evaluate(cfg, run_dir, drafters, blocks, chosen, log)
+    report_dir = _reports(cfg, run_dir, drafters, timed, log)
     log["total_seconds"] = round(time.time() - t0, 1)
     (run_dir / "main_summary.json").write_text(portable_summary(log, run_dir))
     print("\n" + (report_dir / "report.md").read_text(), flush=True)

@@ -180,16 +180,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-SUBSET = "experiments.data.corpora.prompt_subset"
+SUBSET, WHOLE = "experiments.data.corpora.training_prompt_subset", "experiments.data.corpora.training_prompts"
 
 
 def whole_set(generation: dict) -> dict:
-    """``generation`` with a :func:`experiments.data.corpora.prompt_subset` of prompts replaced by the whole set it
-    draws from: recorded answers to the whole set answer the subset (every id is still looked up)."""
+    """``generation`` with a :func:`experiments.data.corpora.training_prompt_subset` of prompts replaced by the
+    whole set it draws from: recorded answers to the whole set answer the subset (every id is still looked up)."""
     prompts = generation.get("prompts") or {}
     if prompts.get("_target_") != SUBSET:
         return generation
-    return {**generation, "prompts": prompts["prompts"]}
+    whole = {k: v for k, v in prompts.items() if k != "count"}
+    return {**generation, "prompts": {**whole, "_target_": WHOLE}}
 
 
 class RecordedBackend(InProcessBackend):
