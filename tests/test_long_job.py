@@ -83,8 +83,14 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
         out.mkdir(parents=True, exist_ok=True)
         (out / "card.json").write_text("{}")
 
+    def ship_assistant(export_dir, out, record, commit):
+        calls.append(("ship ar_assistant", "ship", [str(export_dir), str(out)]))
+        out.mkdir(parents=True)
+        (out / "training.json").write_text("{}")
+
     monkeypatch.setattr(long_job, "stage", fake)
     monkeypatch.setattr(long_job, "ship_drafter", ship)
+    monkeypatch.setattr(long_job, "ship_assistant", ship_assistant)
     return calls
 
 
@@ -120,13 +126,16 @@ def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafter
     assert "eval curve/l2r_all-rowsall-gamma4/drafter" not in evaluated  # a γ candidate not chosen
     assert "temperatures=[0.0, 1.0]" in by_name["eval long/l2r_all/drafter"]  # the final long drafters: T=0 and T=1
     assert "temperatures=[0.0]" in by_name["eval long/l2r_all/snapshots/step-1000"]
-    shipped = [c for c in calls if c[1] == "ship"]
+    shipped = [c for c in calls if c[1] == "ship" and c[0] != "ship ar_assistant"]
     assert [c[0] for c in shipped] == ["ship l2r_all_long", "ship uniform_long"]
     assert shipped[0][2][1].endswith("eval/long/l2r_all/drafter/results.json")  # the card's τ: these weights'
     assert "loss.gamma=2.0" in shipped[0][2][2] and "loss=l2r_all" in shipped[0][2][2]  # the command that trained it
     assert names.index("eval long/l2r_all/drafter") < names.index("ship l2r_all_long") < names.index(
         "export l2r_all_long") < names.index("train ar_assistant")
     assert "export uniform_long" not in names  # ship.dflash: l2r_all only
+    assert names.index("train ar_assistant") + 1 == names.index("ship ar_assistant")
+    assert by_name["ship ar_assistant"] == [str(tmp_path / "run" / "assistant" / "export"),
+                                            str(tmp_path / "run" / "assets" / "ar_assistant_smollm2")]
     assert names.index("ship uniform_long") < names.index("report long") < names.index("train curve/uniform-rows738")
     assert by_name["report long"][:2] == [str(tmp_path / "run" / "eval" / "long" / loss / "drafter")
                                           for loss in ("l2r_all", "uniform")]

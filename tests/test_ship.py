@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from drafters import factory
 from drafters.locks import file_digest
 from experiments.pipeline.export import export_for_serving
-from experiments.pipeline.ship import ship_drafter
+from experiments.pipeline.ship import ship_assistant, ship_drafter
 
 pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state")
 
@@ -99,3 +99,20 @@ def test_the_dflash_exports_card_reads_tau_from_the_given_evaluation(tmp_path):
     assert "| humaneval | 1.812 | 1.457 |" in card
     with pytest.raises(FileNotFoundError, match="results=.*nowhere.json: no such file"):
         export_for_serving(OmegaConf.create({**cfg, "results": str(tmp_path / "nowhere.json")}))
+
+
+def test_the_shipped_assistant_names_its_data_and_commit(tmp_path):
+    export = tmp_path / "assistant" / "export"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"weights")
+    (export / "training.json").write_text(json.dumps({"steps": 4000}))
+    (export / "README.md").write_text("# assistant\n")
+    out = tmp_path / "assets" / "ar_assistant_smollm2"
+    (out / "old").mkdir(parents=True)  # an earlier ship is replaced whole
+    ship_assistant(export, out, RECORD, "d" * 40)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors", "training.json"]
+    meta = json.loads((out / "training.json").read_text())
+    assert meta["steps"] == 4000 and meta["shipped"] == {
+        "answers_sha256": "a" * 64, "record_sha256": "b" * 64, "rows": 10887, "response_tokens": 2015720,
+        "commit": "d" * 40}
+    assert "10,887 recorded answers" in (out / "README.md").read_text() and "d" * 40 in (out / "README.md").read_text()

@@ -196,8 +196,7 @@ through `verify.AssistantDrafter` (K forwards per step, exact verification).
 | greedy τ, K = {meta['num_draft_tokens']} (block-by-block replay) | {fmt(first, 'val/tau_greedy')} | {fmt(val, 'val/tau_greedy')} |
 
 Step 0 is the initialisation ({meta['init']}). On greedy data (`data=regen_greedy`) the replayed τ is
-what `verify.speculative_generate` measures at temperature 0 on these answers. It is a toy, like its
-target: its numbers say how the toolkit behaves.
+what `verify.speculative_generate` measures at temperature 0 on these answers.
 """
 
 

@@ -40,7 +40,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.pipeline.main_job import portable_summary, stage
-from experiments.pipeline.ship import ship_drafter
+from experiments.pipeline.records import git_commit
+from experiments.pipeline.ship import ship_assistant, ship_drafter
 from experiments.reporting import data_scale
 
 SUMMARY = "long_summary.json"
@@ -172,11 +173,17 @@ class LongJob:
         a short timed run, so that its learning-rate schedule ends when the time does; the time is also its cap."""
         spec, run = self.cfg.get("long_assistant"), self.run_dir / "assistant"
         budget = (_read(self.run_dir / "long" / "l2r_all" / "train_summary.json") or {}).get("train_seconds")
-        if not spec or budget is None or trained(run):
+        if not spec or budget is None:
             return
-        steps = self._assistant_steps(spec, budget)
-        self._train_assistant("train ar_assistant", run, spec, [
-            f"train.max_steps={steps}", f"callbacks.train_clock.duration={{seconds:{int(budget * 1.1)}}}"])
+        if not trained(run):
+            steps = self._assistant_steps(spec, budget)
+            self._train_assistant("train ar_assistant", run, spec, [
+                f"train.max_steps={steps}", f"callbacks.train_clock.duration={{seconds:{int(budget * 1.1)}}}"])
+        out = Path(self.cfg.ship.dir) / spec.ship_as
+        if (out / "training.json").is_file():
+            return
+        ship_assistant(run / "export", out, _read(Path(self.cfg.export_answers) / "record.json"), git_commit())
+        print(f"[long] the ar_assistant shipped to {out}", flush=True)
 
     def _assistant_steps(self, spec, budget: float) -> int:
         """The ar_assistant's steps in ``budget`` seconds, timed over ``spec.probe_steps`` steps (no validation)."""

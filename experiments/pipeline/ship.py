@@ -11,6 +11,9 @@ card, ``card.json`` to read by program and ``README.md`` to read by eye:
 * ``tau``: τ per suite and their mean at each temperature of an evaluation of these very weights (its
   ``results.json``, whose weights hash must match), with the evaluation's commit and settings;
 * ``command``: what trained it.
+
+The ar_assistant trained beside them (:func:`ship_assistant`) is its export folder (``experiments.train_assistant``:
+weights, tokenizer, ``training.json``, ``README.md``) with the data's sha256 and the commit added to both.
 """
 
 from __future__ import annotations
@@ -128,4 +131,21 @@ def ship_drafter(drafter_dir: str | Path, results: str | Path, out: str | Path, 
         shutil.copy2(path, out / path.name)
     (out / CARD).write_text(json.dumps(card, indent=1) + "\n")
     (out / "README.md").write_text(render(card))
+    return out
+
+
+def ship_assistant(export_dir: str | Path, out: str | Path, data_record: dict, commit: str | None) -> Path:
+    """Copy the assistant exported in ``export_dir`` to ``out``, its card naming the data's sha256 and ``commit``."""
+    export_dir, out = Path(export_dir), Path(out)
+    meta = _read(export_dir / "training.json")
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(export_dir, out)
+    shipped = {"answers_sha256": data_record["answers_sha256"], "record_sha256": data_record["record_sha256"],
+               "rows": data_record["rows"], "response_tokens": data_record["response_tokens"], "commit": commit}
+    (out / "training.json").write_text(json.dumps({**meta, "shipped": shipped}, indent=1) + "\n")
+    with open(out / "README.md", "a") as f:
+        f.write(f"\n## Shipped\n\nTrained at commit `{commit}` on {shipped['rows']:,} recorded answers "
+                f"({shipped['response_tokens']:,} response tokens; answers sha256 `{shipped['answers_sha256']}`, "
+                f"record sha256 `{shipped['record_sha256']}`).\n")
     return out
