@@ -200,6 +200,10 @@ def test_the_long_job_runs_on_the_tiny_target(tmp_path):
     assert [p["steps"] for p in doc["steps"]["l2r_all"]] == [2, 4]
     assert all(p["suites_tau"]["mean"] >= 1.0 for pts in doc["answers"].values() for p in pts)
     assert doc["gamma"]["chosen"] in (1.0, 2.0)
+    card = json.loads((run / "assets" / "l2r_all_long" / "card.json").read_text())  # shipped with its card
+    assert set(card["tau"]) == {"T=0", "T=1"} and card["training"]["steps"] == 4
+    assert (run / "assets" / "l2r_all_long" / "dflash" / "config.json").is_file()  # and in the DFlash format
+    assert (run / "long_report" / "report.md").is_file()
 
 
 def test_the_long_jobs_run_dir_is_fixed_so_the_same_command_resumes(monkeypatch):

@@ -182,7 +182,7 @@ class LongJob:
         out = Path(self.cfg.ship.dir) / spec.ship_as
         if (out / "training.json").is_file():
             return
-        ship_assistant(run / "export", out, _read(Path(self.cfg.export_answers) / "record.json"), git_commit())
+        ship_assistant(run / "export", out, self.data_record(), git_commit())
         print(f"[long] the ar_assistant shipped to {out}", flush=True)
 
     def _assistant_steps(self, spec, budget: float) -> int:
@@ -211,15 +211,19 @@ class LongJob:
         if (out / "card.json").is_file() and (not dflash or (out / "dflash" / "config.json").is_file()):
             return out
         results = self.run_dir / "eval" / run.relative_to(self.run_dir) / "drafter" / "results.json"
-        record = _read(Path(self.cfg.export_answers) / "record.json")
         command = " ".join(["python -m experiments.train", *self.science, f"loss={run.name}", *self._long_args(run.name)])
-        ship_drafter(run / "drafter", results, out, record, name=name, command=command, extra=("dflash",))
+        ship_drafter(run / "drafter", results, out, self.data_record(), name=name, command=command, extra=("dflash",))
         if dflash:
             self.stage(f"export {name}", "experiments.export",
                        [f"drafter.path={run / 'drafter'}", f"out={out / 'dflash'}", f"results={results}",
                         f"dtype={self.cfg.ship.dflash_dtype or 'null'}"])
         print(f"[long] {name} shipped to {out}", flush=True)
         return out
+
+    def data_record(self) -> dict:
+        """The exported answers' record (their sha256, rows, tokens, engine); without an export, the data folder."""
+        exported = _read(Path(self.cfg.export_answers) / "record.json") if self.cfg.export_answers else None
+        return exported or {"data_dir": str(self.data_dir)}
 
     def long_report(self) -> None:
         """The paired gains of the long drafters over the long ``uniform`` (``long_report/``)."""

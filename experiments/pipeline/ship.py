@@ -48,6 +48,20 @@ def _tau(results: dict) -> dict[str, dict[str, float]]:
     return by_temperature
 
 
+def _data(record: dict) -> dict:
+    """What a card says of the recorded answers (``record``: their record.json; without one, ``data_dir``)."""
+    keys = ("answers_sha256", "record_sha256", "rows", "response_tokens", "engine", "data_dir")
+    return {k: record[k] for k in keys if k in record}
+
+
+def _data_line(d: dict) -> str:
+    if "answers_sha256" not in d:
+        return f"- data: `{d.get('data_dir')}`, {d['train_rows']:,} training and {d['held_out_rows']:,} held-out rows"
+    return (f"- data: {d['rows']:,} recorded answers ({d['response_tokens']:,} response tokens), {d['train_rows']:,} "
+            f"training and {d['held_out_rows']:,} held-out rows; answers sha256 `{d['answers_sha256']}`, record "
+            f"sha256 `{d['record_sha256']}`")
+
+
 def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: str, command: str) -> dict:
     """The model card of the drafter in ``drafter_dir`` (saved by a training run: its parent) evaluated in
     ``results``; a results.json of other weights is refused."""
@@ -69,10 +83,7 @@ def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: s
                      "steps": summary["steps"], "train_seconds": summary["train_seconds"],
                      "threads": summary["threads"], "torch": summary["torch"], "overrides": summary["overrides"],
                      "held_out": summary["val"]},
-        "data": {"answers_sha256": data_record["answers_sha256"], "record_sha256": data_record["record_sha256"],
-                 "rows": data_record["rows"], "response_tokens": data_record["response_tokens"],
-                 "engine": data_record.get("engine"), "train_rows": summary["train_rows"],
-                 "held_out_rows": summary["val_rows"]},
+        "data": {**_data(data_record), "train_rows": summary["train_rows"], "held_out_rows": summary["val_rows"]},
         "tau": _tau(evaluation),
         "evaluation": {"commit": evaluation.get("git_commit"), "settings": evaluation["settings"],
                        "prompts": {s: e[next(iter(e))]["num_prompts"] for s, e in evaluation["results"].items()}},
@@ -100,9 +111,7 @@ def render(card: dict) -> str:
         f"- command: `{card['command']}`",
         (f"- {t['steps']:,} optimizer steps in {t['train_seconds'] / 3600:.2f} h on {t['threads']} CPU threads "
         f"(torch {t['torch']}); held-out τ at the end: {json.dumps(t['held_out'])}"),
-        (f"- data: {d['rows']:,} recorded answers ({d['response_tokens']:,} response tokens), {d['train_rows']:,} "
-        f"training and {d['held_out_rows']:,} held-out rows; answers sha256 `{d['answers_sha256']}`, record sha256 "
-        f"`{d['record_sha256']}`"),
+        _data_line(d),
         f"- weights sha256 (blockdraft's content hash): `{dr['weights_sha256']}`",
         "",
         f"## τ (accepted tokens per verification step, exact verification; commit {card['evaluation']['commit']})",
@@ -141,11 +150,9 @@ def ship_assistant(export_dir: str | Path, out: str | Path, data_record: dict, c
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(export_dir, out)
-    shipped = {"answers_sha256": data_record["answers_sha256"], "record_sha256": data_record["record_sha256"],
-               "rows": data_record["rows"], "response_tokens": data_record["response_tokens"], "commit": commit}
+    shipped = {**_data(data_record), "commit": commit}
     (out / "training.json").write_text(json.dumps({**meta, "shipped": shipped}, indent=1) + "\n")
+    data = _data_line({**shipped, "train_rows": meta.get("train_rows", 0), "held_out_rows": meta.get("val_rows", 0)})
     with open(out / "README.md", "a") as f:
-        f.write(f"\n## Shipped\n\nTrained at commit `{commit}` on {shipped['rows']:,} recorded answers "
-                f"({shipped['response_tokens']:,} response tokens; answers sha256 `{shipped['answers_sha256']}`, "
-                f"record sha256 `{shipped['record_sha256']}`).\n")
+        f.write(f"\n## Shipped\n\nTrained at commit `{commit}`.\n\n{data}\n")
     return out
