@@ -87,6 +87,23 @@ def test_killed_computation_resumes_to_the_same_cache(target, tmp_path):
     assert all(torch.equal(a[i], b[i]) for i in range(6))
 
 
+def test_a_damaged_part_of_a_complete_cache_is_named_and_computed_again_alone(target, tmp_path, capsys):
+    rows = [r["input_ids"] for r in make_rows(6)]
+    root = compute_features(target, rows, tmp_path / "f", target_layer_ids=LAYERS, rows_per_part=2, progress=False)
+    whole = FeatureStore(root)
+    expected = [whole[i] for i in range(6)]
+    kept = {p.name: p.stat().st_mtime_ns for p in root.glob("part-0000[02]*")}
+    middle = root / "part-00001.npy"
+    middle.write_bytes(middle.read_bytes()[:200])  # cut short, as by a full disk or an interrupted copy
+    with pytest.raises(ValueError, match="part-00001.npy cannot be read .*run the training again"):
+        FeatureStore(root)
+    compute_features(target, rows, root, target_layer_ids=LAYERS, rows_per_part=2, progress=False)
+    assert "part-00001.npy is damaged: computing its rows again" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in root.glob("part-0000[02]*")} == kept  # the others untouched
+    redone = FeatureStore(root)
+    assert all(torch.equal(redone[i], expected[i]) for i in range(6))
+
+
 def test_other_settings_are_refused(target, tmp_path):
     rows = [r["input_ids"] for r in make_rows(2)]
     root = compute_features(target, rows, tmp_path / "f", target_layer_ids=LAYERS, progress=False)

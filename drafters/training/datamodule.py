@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from drafters.config import target_fingerprint
 from drafters.training.batching import EpochShuffle, ResumableLoader, collate, sample_anchors  # noqa: F401 (re-exported)
-from drafters.training.features import FeatureStore, compute_features, features_dir, read_features_meta
+from drafters.training.features import FeatureStore, compute_features, features_dir
 
 SHARDS = "shards"
 META = "regen.json"
@@ -283,10 +283,8 @@ class RegenDataModule(L.LightningDataModule):
 
 def ensure_features(target, data_dir: str | Path, target_layer_ids: Sequence[int], *, dtype: str = "float16",
                     max_length: int | None = None, batch_size: int = 8, progress: bool = True) -> Path:
-    """The feature cache of a regenerated data dir for these layers, computed first if missing."""
+    """The feature cache of a regenerated data dir for these layers, its missing or damaged parts computed first."""
     root = features_dir(data_dir, target_layer_ids, dtype, max_length)
-    if read_features_meta(root).get("complete"):
-        return root
     data = load_regenerated(data_dir)
     return compute_features(target, data["input_ids"], root, target_layer_ids=target_layer_ids, dtype=dtype,
                             max_length=max_length, fingerprint=target_fingerprint(target.config),

@@ -11,9 +11,10 @@ dtype and the length limit)::
     part-00000.offsets.npy  (n0 + 1,) int64: row i of the part spans offsets[i]:offsets[i + 1]
     part-00001.npy ...
 
-Row order is the data dir's row order (``drafters.training.datamodule.load_regenerated``). Parts are written to a
-temporary name and renamed into place, so a killed job leaves only whole parts and resumes after
-the last one. Parts are memory-mapped when read, so the cache may exceed the machine's memory.
+Row order is the data dir's row order (``drafters.training.datamodule.load_regenerated``); part i holds rows
+[i * rows_per_part, (i + 1) * rows_per_part). Parts are written to a temporary name and renamed into place, so a
+killed job leaves only whole parts; computing again (:func:`compute_features`) redoes the parts that are missing or
+damaged (unreadable, or holding another token count than their offsets say), and only those. Parts are memory-mapped when read, so the cache may exceed the machine's memory.
 The feature of column c is ``concat(hidden_states[i][c] for i in target_layer_ids)``: exactly what
 :meth:`drafters.model.DFlashDrafter.context_kv` reads, so the drafter's context path (trained)
 still runs on every step.
@@ -40,6 +41,7 @@ from drafters.config import accepts_argument
 META = "meta.json"
 HEAD = "head"  # the layer id of the target's final state, the input of its LM head
 DTYPES = {"float16": np.float16, "float32": np.float32}
+REDO = "run the training again: it computes the damaged parts, and only those, again"
 
 
 def features_key(target_layer_ids: Sequence[int], dtype: str, max_length: int | None) -> str:
@@ -63,8 +65,18 @@ def _parts(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("part-*.npy") if not p.name.endswith(".offsets.npy"))
 
 
-def _rows_done(root: Path) -> int:
-    return sum(len(np.load(p.with_suffix(".offsets.npy"), mmap_mode="r")) - 1 for p in _parts(root))
+def _part(root: Path, index: int) -> Path:
+    return root / f"part-{index:05d}.npy"
+
+
+def _whole_rows(part: Path) -> int | None:
+    """The rows of a readable, whole part (its token count is its offsets' last); None: missing or damaged."""
+    try:
+        offsets = np.load(part.with_suffix(".offsets.npy"), mmap_mode="r")
+        tokens = np.load(part, mmap_mode="r").shape[0]
+    except (OSError, ValueError):
+        return None
+    return len(offsets) - 1 if len(offsets) and tokens == offsets[-1] else None
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
@@ -111,13 +123,26 @@ def _head_states(target, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return seen[0].float().cpu()
 
 
+def _encode_rows(target, rows: list[list[int]], layer_ids: Sequence[int], device, batch_size: int, bar) -> list:
+    """:func:`_encode` of ``rows`` in batches of like lengths (little padding), in the rows' order."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    feats: list[torch.Tensor | None] = [None] * len(rows)
+    for s in range(0, len(rows), batch_size):
+        batch = order[s: s + batch_size]
+        for i, feat in zip(batch, _encode(target, [rows[i] for i in batch], layer_ids, device)):
+            feats[i] = feat
+        bar.update(len(batch))
+    return feats
+
+
 def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | Path, *,
                      target_layer_ids: Sequence[int], dtype: str = "float16", max_length: int | None = None,
                      fingerprint: dict | None = None, batch_size: int = 8, rows_per_part: int = 256,
                      progress: bool = True) -> Path:
     """Write the feature cache of ``input_ids`` (every row, cut to ``max_length``) into ``out_dir``.
 
-    Resumes after the last whole part; refuses a folder written with other settings.
+    Computes only the parts that are missing or damaged (a complete, whole cache returns at once); refuses a
+    folder written with other settings.
     """
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -128,27 +153,24 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
         diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         raise ValueError(f"feature cache {root} was written with other settings {diff} (saved, now): "
                          "delete the folder or change data.features")
-    if old.get("complete"):
+    spans = [(a, min(a + rows_per_part, len(input_ids))) for a in range(0, len(input_ids), rows_per_part)]
+    todo = [i for i, (a, b) in enumerate(spans) if _whole_rows(_part(root, i)) != b - a]
+    if old.get("complete") and not todo:
         return root
+    for i in todo:
+        if _part(root, i).exists() or _part(root, i).with_suffix(".offsets.npy").exists():
+            print(f"[features] {_part(root, i)} is damaged: computing its rows again", flush=True)
     (root / META).write_text(json.dumps({**meta, "complete": False}, indent=1) + "\n")
     device = next(target.parameters()).device
     rows = [list(r[:max_length] if max_length else r) for r in input_ids]
-    done, index = _rows_done(root), len(_parts(root))
-    bar = tqdm(total=len(rows), initial=done, desc="target features", unit="row", disable=not progress)
-    while done < len(rows):
-        chunk = rows[done: done + rows_per_part]
-        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # batches of like lengths pad little
-        feats: list[torch.Tensor | None] = [None] * len(chunk)
-        for s in range(0, len(chunk), batch_size):
-            batch = order[s: s + batch_size]
-            for i, feat in zip(batch, _encode(target, [chunk[i] for i in batch], target_layer_ids, device)):
-                feats[i] = feat
-            bar.update(len(batch))
+    bar = tqdm(total=len(rows), initial=len(rows) - sum(spans[i][1] - spans[i][0] for i in todo),
+               desc="target features", unit="row", disable=not progress)
+    for index in todo:
+        feats = _encode_rows(target, rows[spans[index][0]: spans[index][1]], target_layer_ids, device, batch_size, bar)
         offsets = np.cumsum([0] + [len(f) for f in feats]).astype(np.int64)
-        part = root / f"part-{index:05d}.npy"
+        part = _part(root, index)
         _save_atomic(part.with_suffix(".offsets.npy"), offsets)  # offsets first: a part implies them
         _save_atomic(part, torch.cat(feats).numpy().astype(DTYPES[dtype]))
-        done, index = done + len(chunk), index + 1
     bar.close()
     (root / META).write_text(json.dumps({**meta, "complete": True}, indent=1) + "\n")
     return root
@@ -179,11 +201,10 @@ class FeatureStore:
                 offsets = np.load(part.with_suffix(".offsets.npy"))
                 array = np.load(part, mmap_mode="r")
             except (OSError, ValueError) as e:
-                raise ValueError(f"feature part {part} cannot be read ({e}): the file is damaged; "
-                                 f"delete {self.root} to recompute it") from e
+                raise ValueError(f"feature part {part} cannot be read ({e}): the file is damaged; {REDO}") from e
             if array.shape[0] != offsets[-1]:
                 raise ValueError(f"feature part {part} holds {array.shape[0]} tokens, its offsets say "
-                                 f"{offsets[-1]}: the file is damaged; delete {self.root}")
+                                 f"{offsets[-1]}: the file is damaged; {REDO}")
             self._arrays.append(array)
             self._offsets.append(offsets)
             self._first.append(self._first[-1] + len(offsets) - 1)
