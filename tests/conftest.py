@@ -16,6 +16,19 @@ FAMILIES = ("llama", "gpt2", "qwen2")
 torch.set_num_threads(1)
 
 
+def tiny_qwen3(path=None) -> torch.nn.Module:
+    """A random 3-layer Qwen3 (vocabulary 40, hidden 32), in eval mode; saved to ``path`` when given."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
 def tiny_target(
     family: str = "llama",
     vocab_size: int = 64,

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_qwen3
 from omegaconf import OmegaConf
 
 from drafters import factory
@@ -18,17 +19,6 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state"),
 ]
-
-
-def tiny_qwen3(path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def fake_run(root, target_dir, with_results: bool = True):

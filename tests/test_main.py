@@ -30,6 +30,17 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
     return calls, main_job.run_main_job(cfg)
 
 
+def _check_evaluations(cfg, by_name: dict, drafters: list[str], timed: list[str], tmp_path) -> None:
+    """Each τ and speed evaluation: the target first, its run dir last, the job's overrides just before it."""
+    for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
+        for d in drafters if kind == "eval" else timed:
+            args = by_name[f"{kind} {d}"]
+            assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
+            assert args[-len(overrides) - 1:-1] == list(overrides)
+    assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
+    assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
+
+
 def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_path, monkeypatch):
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("main", overrides=[f"paths.run_dir={tmp_path}"])
@@ -51,13 +62,7 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
     assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all"])  # τ: the whole block
     assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
     assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
-    for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
-        for d in drafters if kind == "eval" else timed:
-            args = by_name[f"{kind} {d}"]
-            assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
-            assert args[-len(overrides) - 1:-1] == list(overrides)
-    assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
-    assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
+    _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
     report = by_name["report"]
     assert report[:4] == [str(tmp_path / "eval" / d) for d in drafters]
     assert report[4:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
@@ -97,13 +102,7 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert not any(a.startswith("temperatures") for a in by_name["eval l2r_all"])  # trained here: T=0 and T=1
     assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
     assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
-    for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
-        for d in drafters if kind == "eval" else timed:
-            args = by_name[f"{kind} {d}"]
-            assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
-            assert args[-len(overrides) - 1:-1] == list(overrides)
-    assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
-    assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
+    _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
     report = by_name["report"]
     assert report[:6] == [str(tmp_path / "eval" / d) for d in drafters]
     assert report[6:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from conftest import tiny_qwen3
 from omegaconf import OmegaConf
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from drafters import factory
 from drafters.locks import file_digest
@@ -23,18 +22,9 @@ RECORD = {"answers_sha256": "a" * 64, "record_sha256": "b" * 64, "rows": 10887, 
 SUITES = {"humaneval": (1.8123, 1.4567), "gsm_symbolic": (2.0, 1.5), "mtbench": (1.7, 1.3)}
 
 
-def _target(path):
-    config = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
-
-
 def _long_run(tmp_path):
     """A long run as experiments.train leaves it (what the card reads) and an evaluation of its drafter."""
-    target = _target(tmp_path / "target")
+    target = tiny_qwen3(tmp_path / "target")
     run = tmp_path / "run" / "long" / "l2r_all"
     factory.from_target(target, block_size=8, num_layers=1).save_pretrained(run / "drafter")
     (run / "run_settings.json").write_text(json.dumps(

@@ -81,7 +81,7 @@ def _data_text(cfg: DictConfig | None, summary: dict) -> str | None:
     return ", ".join(parts)
 
 
-def _tau_table(results: dict) -> dict[str, dict[str, float]]:
+def tau_table(results: dict) -> dict[str, dict[str, float]]:
     """``{suite: {"T=0": τ, "T=1": τ}}`` from a results.json document (keys ``t<temperature>``)."""
     table: dict[str, dict[str, float]] = {}
     for suite, entries in (results.get("results") or {}).items():
@@ -135,7 +135,7 @@ def describe_run(drafter_dir: str | Path, results: str | Path | None = None) -> 
         "target_name": target_name,
         "data": _data_text(cfg, summary),
         "loss": _loss_text(choices.get("loss") or _select(hydra_cfg, "hydra.runtime.choices.loss"), _select(cfg, "loss")),
-        "tau": _tau_table(evaluation) or None,
+        "tau": tau_table(evaluation) or None,
         "max_position_embeddings": _target_positions(target_path),
     }
 

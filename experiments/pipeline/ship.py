@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from drafters.locks import file_digest
-from experiments.pipeline.export import LOSS_KEYS, trained_settings
+from experiments.pipeline.export import LOSS_KEYS, tau_table, trained_settings
 
 CARD = "card.json"
 
@@ -38,14 +38,12 @@ def _read(path: Path) -> dict:
 
 
 def _tau(results: dict) -> dict[str, dict[str, float]]:
-    """``{"T=<t>": {suite: τ, ..., "mean": τ}}`` of a results.json document."""
+    """``{"T=<t>": {suite: τ, ..., "mean": τ}}`` of a results.json document (:func:`tau_table`, by temperature)."""
     by_temperature: dict[str, dict[str, float]] = {}
-    for suite, entries in results["results"].items():
-        for key, entry in entries.items():
-            by_temperature.setdefault(f"T={key[1:]}", {})[suite] = round(float(entry["tau"]), 4)
-    for row in by_temperature.values():
-        row["mean"] = round(float(np.mean(list(row.values()))), 4)
-    return by_temperature
+    for suite, row in tau_table(results).items():
+        for temperature, tau in row.items():
+            by_temperature.setdefault(temperature, {})[suite] = round(tau, 4)
+    return {t: {**row, "mean": round(float(np.mean(list(row.values()))), 4)} for t, row in by_temperature.items()}
 
 
 def _data(record: dict) -> dict:
