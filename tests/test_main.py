@@ -77,7 +77,17 @@ def _shipped(tmp_path) -> list[str]:
             f"assistant.path={tmp_path}/assets/ar_assistant_smollm2"]
 
 
+def _fake_vllm_env(root: Path) -> Path:
+    """A folder that looks like a vLLM environment (an interpreter and the package's __init__)."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").write_text("")
+    (root / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
+    (root / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
+    return root
+
+
 def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(_fake_vllm_env(tmp_path / "venv-vllm")))
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path)])
     calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
@@ -86,9 +96,13 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     timed = list(cfg.speed_drafters)
     assert timed == ["l2r_all_long", "prompt_lookup", "ar_assistant"]
     assert names == ["data", "train uniform", "train l2r_all", "choose K",  # the assistant is shipped, not trained
-                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in timed), "report", "report report_long"]
+                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in timed), "serve l2r_all_long",
+                     "report", "report report_long"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
+    assert by_name["serve l2r_all_long"][:2] == ["target=smollm2", f"drafter.path={tmp_path}/assets/l2r_all_long"]
+    assert by_name["serve l2r_all_long"][-1] == f"hydra.run.dir={tmp_path}/serve/l2r_all_long"
+    assert "speculators=[target,drafter]" in by_name["serve l2r_all_long"]
     assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2_sharegpt"
     assets = tmp_path / "assets"
     assert f"drafter.path={assets}/ar_assistant_smollm2" in by_name["eval ar_assistant"]
@@ -108,6 +122,29 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert report[6:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
     assert by_name["report report_long"] == [str(tmp_path / "eval" / "uniform_long"), str(tmp_path / "eval" / "l2r_all_long"),
                                              "--baseline", "uniform_long", "--out", str(tmp_path / "report_long")]
+
+
+def test_without_a_vllm_environment_the_serve_check_is_skipped_and_the_log_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(tmp_path / "no-vllm"))
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path)])
+    calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
+    assert not any(c[1] == "experiments.serve_check" for c in calls)
+    skipped = [s for s in log["stages"] if s["stage"] == "serve l2r_all_long"]
+    assert len(skipped) == 1 and "no vLLM environment" in skipped[0]["skipped"]
+    assert "install_vllm.sh" in skipped[0]["skipped"]
+
+
+def test_a_serve_check_of_a_drafter_the_job_does_not_have_is_refused_before_any_stage(tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(_fake_vllm_env(tmp_path / "venv-vllm")))
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path),
+                                                  "serve_check.drafter=l2r_long"])
+    monkeypatch.setattr(main_job, "stage", lambda *a: pytest.fail("no stage may run"))
+    with pytest.raises(ValueError, match="serve_check.drafter=l2r_long is none of this job's block drafters"):
+        main_job.run_main_job(cfg)
 
 
 def test_a_missing_shipped_drafter_or_assistant_is_named_before_any_stage(tmp_path, monkeypatch):

@@ -13,7 +13,10 @@ By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-1
    drafters of ``speed_drafters`` again at batch 1, T=0, against the target alone (``speed_overrides``), each
    baseline at the K and each trained drafter verifying the W chosen on held-out training answers
    (``experiments.pipeline.choose_k``);
-4. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots; then
+4. ``experiments.serve_check`` — with ``serve_check``, one block drafter served by vLLM for CPU beside the target
+   alone, its acceptance checked against blockdraft's (skipped, with the reason in the log, without a vLLM
+   environment: ``bash experiments/serving/install_vllm.sh``);
+5. ``experiments.report`` — the tables (τ, paired gains over ``uniform``, speed at batch 1) and the plots; then
    each of ``extra_reports`` over its rows, with gains over its first (e.g. ``l2r_all_long`` over ``uniform_long``).
 
 Each stage runs as its own entry point (a subprocess, its own Hydra run dir under this job's run
@@ -35,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.data.suites import cache_dir
 from experiments.pipeline.paths import REPO
+from experiments.serving.engine import ServingError, vllm_python
 
 
 def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
@@ -174,6 +178,34 @@ def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], bl
     return timed
 
 
+def served_drafter(cfg: DictConfig, blocks: dict[str, Path]) -> str | None:
+    """``serve_check.drafter`` (checked to be one of the job's block drafters), or None without ``serve_check``."""
+    spec = cfg.get("serve_check")
+    if not spec:
+        return None
+    if spec.drafter not in blocks:
+        raise ValueError(f"serve_check.drafter={spec.drafter} is none of this job's block drafters {sorted(blocks)}")
+    return spec.drafter
+
+
+def _serve_check(cfg: DictConfig, run_dir: Path, served: str | None, blocks: dict[str, Path], log: dict) -> None:
+    """``served`` by vLLM beside the target alone (``experiments.serve_check`` into ``serve/<served>/``), where a
+    vLLM environment exists; without one the stage is skipped and the log says why."""
+    if served is None:
+        return
+    name, out = f"serve {served}", run_dir / "serve" / served
+    try:
+        vllm_python()
+    except ServingError as e:
+        print(f"\n=== [{name}] skipped: {e}", flush=True)
+        log["stages"].append({"stage": name, "skipped": str(e), "seconds": 0.0})
+        return
+    if not (out / "serve_check.json").is_file():  # a resumed job keeps its serve check
+        stage(name, "experiments.serve_check", [f"target={cfg.eval_target}", f"drafter.path={blocks[served]}",
+                                                *cfg.common_overrides, *cfg.serve_check.overrides,
+                                                f"hydra.run.dir={out}"], log)
+
+
 def _reports(cfg: DictConfig, run_dir: Path, drafters: dict, timed: list[str], log: dict) -> Path:
     """``report/`` (every drafter, gains over ``uniform``, speeds), then each of ``extra_reports`` (its rows, gains
     over its first); returns ``report/``."""
@@ -194,8 +226,9 @@ def run_main_job(cfg: DictConfig) -> dict:
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
     t0 = time.time()
     shipped, assistant = shipped_drafters(cfg), assistant_dir(cfg, run_dir)  # what is missing is named first
-    drafters = _train_stages(cfg, run_dir, science, log)
     blocks = {loss: run_dir / "train" / loss / "drafter" for loss in cfg.losses} | shipped  # a W each
+    served = served_drafter(cfg, blocks)
+    drafters = _train_stages(cfg, run_dir, science, log)
     fill = {"data_dir": trained_data_dir(run_dir, cfg.losses), "assistant_dir": assistant}
     chosen = _choose_k(cfg, run_dir, fill, blocks, log)
     for name, path in shipped.items():
@@ -205,10 +238,13 @@ def run_main_job(cfg: DictConfig) -> dict:
         k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
         drafters[baseline] = [f"drafter={baseline}", *extra, *k]
     timed = _evaluate(cfg, run_dir, drafters, blocks, chosen, log)
+    _serve_check(cfg, run_dir, served, blocks, log)
     report_dir = _reports(cfg, run_dir, drafters, timed, log)
     log["total_seconds"] = round(time.time() - t0, 1)
     (run_dir / "main_summary.json").write_text(portable_summary(log, run_dir))
     print("\n" + (report_dir / "report.md").read_text(), flush=True)
+    if served and (run_dir / "serve" / served / "serve_check.md").is_file():
+        print((run_dir / "serve" / served / "serve_check.md").read_text(), flush=True)
     print("stage times:")
     for s in log["stages"]:
         print(f"  {s['stage']:<24s} {s['seconds'] / 60:6.1f} min")
