@@ -326,11 +326,14 @@ class DFlashDrafter(nn.Module):
         context = self.fuse_norm(self.fuse(x))  # (Bt, S, H)
         return [layer.attn.key_value(context, cos, sin) for layer in self.layers]
 
-    def head(self, states: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def head(self, states: torch.Tensor, vocab_ids: torch.Tensor | None = None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target's frozen LM head on drafter states (..., H) -> logits (..., V) float32.
 
         ``vocab_ids`` (V',) long: the logits of those tokens only (..., V'), the columns ``vocab_ids`` of the
-        full logits (a training step over a frequent-token subset); None = the whole vocabulary."""
+        full logits (a training step over a frequent-token subset); None = the whole vocabulary. ``rows`` (V', H):
+        the head's weight rows of ``vocab_ids`` gathered beforehand (a decoding policy keeps its candidates'; at a
+        few slots gathering them costs several times the product)."""
         head = self.target.get_output_embeddings()
         x = states.reshape(-1, states.shape[-1]).to(head.weight.dtype)  # one plain matmul
         if vocab_ids is None:
@@ -338,7 +341,8 @@ class DFlashDrafter(nn.Module):
             out = verify_hf.linear_logits(head.weight, x) if plain else head(x)
         else:
             bias = getattr(head, "bias", None)
-            out = F.linear(x, head.weight[vocab_ids], None if bias is None else bias[vocab_ids])
+            weight = head.weight[vocab_ids] if rows is None else rows
+            out = F.linear(x, weight, None if bias is None else bias[vocab_ids])
         return out.view(*states.shape[:-1], out.shape[-1]).float()
 
     def block_ids(self, anchor_ids: torch.Tensor, slot_ids: torch.Tensor | None = None) -> torch.Tensor:

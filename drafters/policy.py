@@ -95,9 +95,10 @@ class PolicyDrafter:
         #: Recent mean confident width: the confidence cut's first LM-head chunk covers it plus one slot.
         self.width_mean = 2.0
         self._sources: list[str] | None = None
+        self._rows: tuple[tuple, torch.Tensor] | None = None  # the head's rows of draft_vocab, and what they came from
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("drafter", "policy", "draft_vocab"):  # not set yet (copying, unpickling): no recursion
+        if name in ("drafter", "policy", "draft_vocab", "_rows"):  # not set yet (copying, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.drafter, name)
 
@@ -123,10 +124,20 @@ class PolicyDrafter:
         verifier refuses infinite logits): q is exactly 0 there, so drafts come from the candidates, still exact."""
         if self.draft_vocab is None:
             return self.drafter.head(states)
-        part = self.drafter.head(states, self.draft_vocab)  # (..., V')
+        part = self.drafter.head(states, self.draft_vocab, self._candidate_rows())  # (..., V')
         logits = part.new_full((*part.shape[:-1], self.drafter.vocab_size), torch.finfo(part.dtype).min)
         logits[..., self.draft_vocab] = part
         return logits
+
+    @torch.no_grad()
+    def _candidate_rows(self) -> torch.Tensor:
+        """The LM head's weight rows of :attr:`draft_vocab` (V', H), gathered once and again only when the weight is
+        another tensor (moved, cast, re-laid) or was written in place."""
+        weight = self.drafter.target.get_output_embeddings().weight
+        key = (weight.data_ptr(), weight.dtype, weight.device, weight._version)
+        if self._rows is None or self._rows[0] != key:
+            self._rows = (key, weight[self.draft_vocab.to(weight.device)].contiguous())
+        return self._rows[1]
 
     @torch.no_grad()
     def draft(self, anchor_ids, anchor_position_ids, *, temperature: float = 0.0, top_k=None, top_p=None,

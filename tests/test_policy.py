@@ -258,6 +258,10 @@ def test_a_candidate_vocabulary_drafts_from_it_and_stays_exact():
     states = torch.randn(2, 4, drafter.config.hidden_size)
     logits, full = wrapped.head(states), drafter.head(states)
     assert torch.allclose(logits[..., vocab], full[..., vocab]) and (logits[..., 1] == torch.finfo().min).all()
+    with torch.no_grad():  # the candidates' rows are kept between drafts, never stale: a weight written in place
+        target.get_output_embeddings().weight.mul_(2.0)
+    assert torch.allclose(wrapped.head(states)[..., vocab], drafter.head(states)[..., vocab])
+    assert not torch.allclose(wrapped.head(states)[..., vocab], full[..., vocab])
     ids, _ = left_padded_prompts([6, 6], 64, seed=2)
     ref = speculative_generate(target, drafter, ids, max_new_tokens=16)  # exact: the target's greedy output
     out = speculative_generate(target, wrapped, ids, max_new_tokens=16)

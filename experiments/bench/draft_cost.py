@@ -43,7 +43,8 @@ def measure(target, drafter, *, batch: int, context: int, widths, target_widths,
 
         inner = getattr(drafter, "drafter", drafter)  # a PolicyDrafter's block drafter
         policy = getattr(drafter, "policy", DraftingPolicy())
-        narrowed = {w: PolicyDrafter(inner, replace(policy, own_draft_tokens=w or None)) for w in widths}
+        candidates = getattr(drafter, "draft_vocab", None)  # drafter.draft_vocab_size's candidates, kept
+        narrowed = {w: PolicyDrafter(inner, replace(policy, own_draft_tokens=w or None), candidates) for w in widths}
 
         def draft(w):
             narrowed[w].draft(anchor, anchor_pos)
