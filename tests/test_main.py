@@ -31,7 +31,8 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
 
 
 def _check_evaluations(cfg, by_name: dict, drafters: list[str], timed: list[str], tmp_path) -> None:
-    """Each τ and speed evaluation: the target first, its run dir last, the job's overrides just before it."""
+    """Each τ and speed evaluation: the target first, its run dir last, the job's overrides just before it; the
+    baselines at their chosen K; the report over every drafter, then the timed ones."""
     for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
         for d in drafters if kind == "eval" else timed:
             args = by_name[f"{kind} {d}"]
@@ -39,6 +40,11 @@ def _check_evaluations(cfg, by_name: dict, drafters: list[str], timed: list[str]
             assert args[-len(overrides) - 1:-1] == list(overrides)
     assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
     assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
+    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
+    assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
+    report, n = by_name["report"], len(drafters)
+    assert report[:n] == [str(tmp_path / "eval" / d) for d in drafters]
+    assert report[n:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
 
 
 def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_path, monkeypatch):
@@ -60,12 +66,7 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
                                         "--drafter", f"l2r_all={tmp_path}/train/l2r_all/drafter"]
     assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all"]  # its best W at batch 1, chosen held out
     assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all"])  # τ: the whole block
-    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
-    assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
     _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
-    report = by_name["report"]
-    assert report[:4] == [str(tmp_path / "eval" / d) for d in drafters]
-    assert report[4:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
 
 
 def _shipped(tmp_path) -> list[str]:
@@ -114,12 +115,7 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all_long"]  # its best W at batch 1, chosen held out
     assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all_long"])  # τ: the whole block
     assert not any(a.startswith("temperatures") for a in by_name["eval l2r_all"])  # trained here: T=0 and T=1
-    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
-    assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
     _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
-    report = by_name["report"]
-    assert report[:6] == [str(tmp_path / "eval" / d) for d in drafters]
-    assert report[6:] == ["--speed", *(str(tmp_path / "speed" / d) for d in timed), "--out", str(tmp_path / "report")]
     assert by_name["report report_long"] == [str(tmp_path / "eval" / "uniform_long"), str(tmp_path / "eval" / "l2r_all_long"),
                                              "--baseline", "uniform_long", "--out", str(tmp_path / "report_long")]
 
