@@ -59,7 +59,7 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
             if long:
                 (run / "snapshots" / "step-1000").mkdir(parents=True)
                 (run / "logs").mkdir()
-                (run / "logs" / "metrics.csv").write_text("step,val/tau_greedy\n1000,1.3\n20000,1.7\n")
+                (run / "logs" / "metrics.csv").write_text("step,val/tau_greedy\n999,1.3\n19999,1.6\n")  # as Lightning logs
         elif module == "experiments.train_assistant":
             steps = int(next(a for a in args if a.startswith("train.max_steps=")).split("=")[1])
             _summary(run, steps, 1.2)
@@ -147,7 +147,7 @@ def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafter
         "curve/l2r_all-rows2500-gamma2", "curve/l2r_all-rows738-gamma2", "curve/l2r_all-rowsall-gamma2"]
     steps = doc["steps"]["l2r_all"]
     assert [(p["steps"], p["held_out_tau"], p["suites_tau"]["mean"]) for p in steps] == [(1000, 1.3, 1.5),
-                                                                                       (20000, 1.7, 1.5)]
+                                                                                       (20000, 1.62, 1.5)]  # final: its summary's (γ = 2)
     assert (tmp_path / "run" / "data_scale" / "data_scale.png").stat().st_size > 0
 
     calls.clear()  # run again: everything is there, only the data stage (it resumes itself) runs
@@ -198,6 +198,8 @@ def test_the_long_job_runs_on_the_tiny_target(tmp_path):
     assert [p["train_rows"] for p in doc["answers"]["uniform"]] == [3, doc["answers"]["uniform"][1]["train_rows"]]
     assert doc["answers"]["uniform"][1]["train_rows"] > 3
     assert [p["steps"] for p in doc["steps"]["l2r_all"]] == [2, 4]
+    final = json.loads((run / "long" / "l2r_all" / "train_summary.json").read_text())["val"]["val/tau_greedy"]
+    assert doc["steps"]["l2r_all"][-1]["held_out_tau"] == round(final, 4)
     assert all(p["suites_tau"]["mean"] >= 1.0 for pts in doc["answers"].values() for p in pts)
     assert doc["gamma"]["chosen"] in (1.0, 2.0)
     card = json.loads((run / "assets" / "l2r_all_long" / "card.json").read_text())  # shipped with its card
