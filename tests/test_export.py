@@ -63,7 +63,8 @@ def test_export_writes_dflash_layout_and_card(tmp_path):
     for text in ("l2r_all", "836 training sequences", "code_chat, reasoning", "| humaneval | 1.543 | 1.271 |",
                  "| gsm_symbolic | 1.296 | — |", str(tmp_path / "target"),
                  f"""--speculative-config '{{"method": "dflash", "model": "{out.resolve()}", "num_speculative_tokens": 7}}'""",
-                 f"--speculative-algorithm DFLASH --speculative-draft-model-path {out.resolve()}", "need a GPU"):
+                 f"--speculative-algorithm DFLASH --speculative-draft-model-path {out.resolve()}", "need a GPU",
+                 "Exported by blockdraft from `$BLOCKDRAFT_RUNS/"):  # no machine's folders where a name exists
         assert text in card, text
     loaded = factory.load(out, target)  # bf16 weights, loaded back as float32
     assert loaded.config.block_size == 8 and loaded.fuse.weight.dtype == torch.float32

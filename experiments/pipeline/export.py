@@ -28,6 +28,7 @@ from drafters.checks import check_target_weights
 from drafters.dflash import export_dflash, model_card
 from drafters.model import DFlashDrafter
 from experiments.data.target import load_target_model
+from experiments.pipeline.paths import cache_path, runs_path
 
 # The loss settings a model card names (conf/loss/).
 LOSS_KEYS = ("gamma", "schedule", "focal_weight", "focal_gamma", "chain_weight", "dpace", "soft")
@@ -177,9 +178,10 @@ def export_for_serving(cfg: DictConfig) -> Path:
     out = Path(str(cfg.out)).expanduser()
     target = cfg.target or info["target"]
     check_card_target(drafter, drafter_dir, target, bool(cfg.drafter.get("allow_other_target", False)))
-    notes = f"Exported by blockdraft from `{drafter_dir.resolve()}` (training run `{info['run_dir']}`)."
-    card = model_card(drafter, out.resolve(), target=target, data=info["data"], loss=info["loss"], tau=info["tau"],
-                      notes=notes)
+    # the card names folders as committed files do (the repository's relative, the cache's as $BLOCKDRAFT_CACHE)
+    notes = f"Exported by blockdraft from `{runs_path(drafter_dir)}` (training run `{runs_path(info['run_dir'])}`)."
+    card = model_card(drafter, runs_path(out), target=cache_path(target) if target else None, data=info["data"],
+                      loss=info["loss"], tau=info["tau"], notes=notes)
     export_dflash(drafter, out, card=card, dtype=DTYPES.get(cfg.dtype),
                   max_position_embeddings=cfg.max_position_embeddings or info["max_position_embeddings"])
     print(f"[export] DFlash drafter written to {out}", flush=True)
