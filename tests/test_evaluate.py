@@ -526,9 +526,10 @@ def test_training_runs_evaluate_with_the_drafters_inference_settings(tmp_path, m
         ev.evaluate_training_run(cfg)
 
 
-def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
+def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was(monkeypatch):
     """experiments.bench.draft_cost.measure: a positive median per drafter width and target width, the drafter's
-    own_draft_tokens restored; the prefill leaves every row's anchor out of the cache."""
+    own_draft_tokens restored, its candidate vocabulary kept at every width; the prefill leaves every row's anchor
+    out of the cache."""
     from experiments.bench import draft_cost
     from experiments.pipeline.timing import prefill
 
@@ -536,10 +537,20 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was():
     target = _target(tok)
     block = factory.from_target(target, num_layers=2, block_size=K + 1,
                                 variants={"layerwise": {"shifted": True}, "anchor": {"frozen": True}})
-    drafter = PolicyDrafter(block, DraftingPolicy(own_draft_tokens=2))
+    vocab = torch.arange(0, block.vocab_size, 2)
+    drafter = PolicyDrafter(block, DraftingPolicy(own_draft_tokens=2), vocab)
+    timed = []  # the drafters measure() times, one per width
+
+    class Recorded(PolicyDrafter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            timed.append(self)
+
+    monkeypatch.setattr(draft_cost, "PolicyDrafter", Recorded)
     ms = draft_cost.measure(target, drafter, batch=2, context=12, widths=[1, 0], target_widths=[1, 3], rounds=4)
     assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}
     assert all(v > 0 for v in ms.values()) and drafter.policy.own_draft_tokens == 2
+    assert [d.policy.own_draft_tokens for d in timed] == [1, None] and all(d.draft_vocab is vocab for d in timed)
     with torch.inference_mode():
         cache, _, anchor_pos = prefill(target, drafter, 2, 12)
     assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]
