@@ -141,3 +141,14 @@ def make_target():
 def make_prompts():
     """The :func:`left_padded_prompts` builder."""
     return left_padded_prompts
+
+
+def fake_vllm_env(root, script: str = "exit 0"):
+    """A stand-in vLLM environment: a vllm package file and a ``bin/python`` running ``script``."""
+    (root / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
+    (root / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
+    (root / "bin").mkdir()
+    python = root / "bin" / "python"
+    python.write_text("#!/bin/sh\n" + script + "\n")
+    python.chmod(0o755)
+    return root

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conftest import fake_vllm_env
 from hydra import compose, initialize_config_module
 
 from experiments.pipeline import main_job
@@ -78,17 +79,8 @@ def _shipped(tmp_path) -> list[str]:
             f"assistant.path={tmp_path}/assets/ar_assistant_smollm2"]
 
 
-def _fake_vllm_env(root: Path) -> Path:
-    """A folder that looks like a vLLM environment (an interpreter and the package's __init__)."""
-    (root / "bin").mkdir(parents=True)
-    (root / "bin" / "python").write_text("")
-    (root / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
-    (root / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
-    return root
-
-
 def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp_path, monkeypatch):
-    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(_fake_vllm_env(tmp_path / "venv-vllm")))
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(fake_vllm_env(tmp_path / "venv-vllm")))
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path)])
     calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
@@ -134,7 +126,7 @@ def test_without_a_vllm_environment_the_serve_check_is_skipped_and_the_log_says_
 def test_a_serve_check_of_a_drafter_the_job_does_not_have_is_refused_before_any_stage(tmp_path, monkeypatch):
     import pytest
 
-    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(_fake_vllm_env(tmp_path / "venv-vllm")))
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(fake_vllm_env(tmp_path / "venv-vllm")))
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path),
                                                   "serve_check.drafter=l2r_long"])

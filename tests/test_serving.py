@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_target
+from conftest import fake_vllm_env, tiny_target
 
 from drafters import factory
 from drafters.tau import greedy_walk
@@ -62,17 +62,6 @@ def test_replay_on_greedy_sequences_equals_blockdraft_online_verifier():
     assert replay["engine_steps"]["num_drafts"] <= replay["blockdraft"]["num_drafts"]
 
 
-def fake_env(root, script: str):
-    """A stand-in vLLM environment: a vllm package file and a ``bin/python`` running ``script``."""
-    (root / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
-    (root / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
-    (root / "bin").mkdir()
-    python = root / "bin" / "python"
-    python.write_text("#!/bin/sh\n" + script + "\n")
-    python.chmod(0o755)
-    return root
-
-
 def _gone(pid_file) -> bool:
     """The process is gone or a zombie (killed, not yet reaped: a container whose PID 1 does not reap orphans
     keeps a killed orphan's entry in the process table)."""
@@ -93,14 +82,14 @@ def _gone(pid_file) -> bool:
 
 def test_engine_that_never_starts_is_stopped_and_named(tmp_path):
     pid_file = tmp_path / "pid"
-    env = fake_env(tmp_path / "env", f"sleep 300 & echo $! > {pid_file}; echo loading the model; wait")
+    env = fake_vllm_env(tmp_path / "env", f"sleep 300 & echo $! > {pid_file}; echo loading the model; wait")
     with pytest.raises(ServingError, match=r"(?s)\[engine start\] timed out .*limit 1 s.*loading the model"):
         run_engine({"model": "m"}, env_dir=env, start_timeout=1)
     assert _gone(pid_file), "the worker's child outlived the failed start"
 
 
 def test_engine_that_dies_while_loading_is_named(tmp_path):
-    env = fake_env(tmp_path / "env", "echo 'ValueError: no model at m' >&2; exit 3")
+    env = fake_vllm_env(tmp_path / "env", "echo 'ValueError: no model at m' >&2; exit 3")
     with pytest.raises(ServingError, match=r"(?s)\[engine start\] the vLLM worker exited with code 3 .*no model at m"):
         run_engine({"model": "m"}, env_dir=env, start_timeout=30)
 
@@ -155,7 +144,7 @@ def test_engines_take_turns_phase_by_phase_with_a_rotating_first(tmp_path):
     import sys
 
     (tmp_path / "stand_in.py").write_text(STAND_IN_WORKER)
-    env = fake_env(tmp_path / "env", f'exec {sys.executable} {tmp_path / "stand_in.py"} "$@"')
+    env = fake_vllm_env(tmp_path / "env", f'exec {sys.executable} {tmp_path / "stand_in.py"} "$@"')
     trace = tmp_path / "trace"
     phases = [{"name": f"p{i}"} for i in range(3)]
     jobs = {name: {"model": "m", "engine": name, "trace": str(trace), "phases": phases, "sleep": 1.0} for name in "abc"}

@@ -68,8 +68,8 @@ def _steps_points(run_dir: Path, suites: Sequence[str]) -> dict[str, list[dict]]
         summary = _read(run / "train_summary.json")
         if summary is not None:
             drafters[summary["steps"]] = run / "drafter"
-        if summary is not None and summary.get("val", {}).get(HELD_OUT) is not None:
-            held_out[summary["steps"]] = summary["val"][HELD_OUT]  # the final validation, as the run recorded it
+            if summary.get("val", {}).get(HELD_OUT) is not None:
+                held_out[summary["steps"]] = summary["val"][HELD_OUT]  # the final validation, as the run recorded it
         for step, drafter in sorted(drafters.items()):
             tau = suites_tau(run_dir / "eval" / drafter.relative_to(run_dir) / "results.json", suites)
             held = held_out.get(step, held_out.get(step - 1))  # Lightning logs the validation after N steps at N - 1
