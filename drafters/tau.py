@@ -37,6 +37,7 @@ def anchor_acceptance(
     length: torch.Tensor,  # (B,) long
     chunk: int = 64,
     ref: torch.Tensor | None = None,  # (B, S) long: the token after each column; None = the target's argmax
+    vocab: torch.Tensor | None = None,  # (V',) long: the candidate ids drafts come from; None = the whole vocabulary
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy-draft acceptance of a block anchored at every response column.
 
@@ -59,7 +60,7 @@ def anchor_acceptance(
         amask = j.unsqueeze(0) < count.unsqueeze(1)  # (B, A)
         anchors = (lo.unsqueeze(1) + j).masked_fill(~amask, 0)  # (B, A)
         logits = drafter.forward_train(hidden_states, input_ids, None, anchors, amask, attention_mask)
-        drafts = logits.argmax(-1)  # (B, A, K)
+        drafts = logits.argmax(-1) if vocab is None else vocab[logits[..., vocab].argmax(-1)]  # (B, A, K)
         cols = slot_positions(anchors, k_slots, seq)  # (B, A, K)
         inside = (anchors.unsqueeze(-1) + torch.arange(1, k_slots + 1, device=anchors.device)
                   < length.view(bsz, 1, 1)) & amask.unsqueeze(-1)  # (B, A, K): column a+k is a token

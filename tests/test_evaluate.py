@@ -551,6 +551,11 @@ def test_draft_cost_bench_times_each_width_and_leaves_the_drafter_as_it_was(monk
     assert set(ms) == {"draft W'=1", "draft whole block", "target 1 column", "target 3 columns"}
     assert all(v > 0 for v in ms.values()) and drafter.policy.own_draft_tokens == 2
     assert [d.policy.own_draft_tokens for d in timed] == [1, None] and all(d.draft_vocab is vocab for d in timed)
+    timed.clear()  # --vocab-sizes: each width from each candidate vocabulary, interleaved
+    ms = draft_cost.measure(target, drafter, batch=2, context=12, widths=[1], target_widths=[1], rounds=4,
+                            vocabs={0: None, 8: vocab[:8]})
+    assert set(ms) == {"draft W'=1 V'=all", "draft W'=1 V'=8", "target 1 column"}
+    assert timed[0].draft_vocab is None and torch.equal(timed[1].draft_vocab, vocab[:8])
     with torch.inference_mode():
         cache, _, anchor_pos = prefill(target, drafter, 2, 12)
     assert cache.get_seq_length() == 11 and anchor_pos.tolist() == [11, 11]

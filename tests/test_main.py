@@ -19,7 +19,7 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
         if module == "experiments.pipeline.choose_k":
             (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}, '
                                                    '"block_width": {"l2r_all": {"chosen_k": 2}, '
-                                                   '"l2r_all_long": {"chosen_k": 2}}}')
+                                                   '"l2r_all_long": {"chosen_k": 2, "chosen_vocab": 8192}}}')
         if module == "experiments.report":
             out = Path(overrides[-1])
             out.mkdir()
@@ -63,10 +63,13 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
     assert by_name["train ar_assistant"][:2] == ["--config-name", "train_assistant_smollm2"]
     assert f"drafter.path={tmp_path}/assistant/export" in by_name["eval ar_assistant"]
     assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
+    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:3] == [
+        "0", "--draft-vocab-from", "cache/regen/x/abc"]  # the whole vocabulary only, counted in the drafters' data
     assert by_name["choose K"][-4:] == ["--assistant", f"{tmp_path}/assistant/export",
                                         "--drafter", f"l2r_all={tmp_path}/train/l2r_all/drafter"]
     assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all"]  # its best W at batch 1, chosen held out
     assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all"])  # τ: the whole block
+    assert not any("draft_vocab" in a for a in by_name["speed l2r_all"])  # chose the whole vocabulary
     _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
 
 
@@ -105,7 +108,11 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert by_name["eval l2r_all_long"][:4] == ["target=smollm2", f"drafter.path={assets}/l2r_all_long",
                                                 "drafter.name=l2r_all_long", "temperatures=[0.0]"]
     assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all_long"]  # its best W at batch 1, chosen held out
-    assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all_long"])  # τ: the whole block
+    answers = str(Path("experiments/assets/sharegpt_answers").resolve())
+    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:5] == [
+        "0", "8192", "16384", "--draft-vocab-from", answers]
+    assert {"drafter.draft_vocab_size=8192", f"drafter.draft_vocab_from={answers}"} <= set(by_name["speed l2r_all_long"])
+    assert not any("max_draft_tokens" in a or "draft_vocab" in a for a in by_name["eval l2r_all_long"])  # τ: all
     assert not any(a.startswith("temperatures") for a in by_name["eval l2r_all"])  # trained here: T=0 and T=1
     _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
     assert by_name["report report_long"] == [str(tmp_path / "eval" / "uniform_long"), str(tmp_path / "eval" / "l2r_all_long"),

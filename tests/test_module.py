@@ -140,10 +140,10 @@ def test_teacher_forced_tau_equals_online_tau(greedy_data, trained):
 
 
 def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, trained):
-    """experiments.pipeline.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, and its draft timing
-    covers each W."""
+    """experiments.pipeline.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, from the whole
+    vocabulary or a candidate one, and its draft timing covers each W."""
     from drafters.policy import DraftingPolicy, PolicyDrafter
-    from experiments.pipeline.choose_k import block_draft_ms, block_tau
+    from experiments.pipeline.choose_k import block_draft_ms, block_tau, choose_block
 
     target, _, eval_ids, eval_mask = greedy_data
     drafter = trained[0].drafter.eval()
@@ -158,6 +158,15 @@ def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, 
     assert taus[drafter.num_draft_tokens] > taus[1] > 1.0, taus  # more is accepted when more is verified
     ms = block_draft_ms(target, drafter, [1, 2], rounds=2, context=12)
     assert set(ms) == {1, 2} and all(v > 0 for v in ms.values())
+    # a candidate vocabulary (drafter.draft_vocab_size): τ(W) replayed from the candidates equals the online τ
+    vocab = torch.arange(1, VOCAB, 2)
+    picked = choose_block(drafter, target, rows, [2], {0: None, 32: vocab}, {1: 10.0, 3: 10.0}, rounds=2)
+    assert set(picked["by_vocab"]) == {0, 32} and picked["chosen_k"] == 2 and picked["chosen_vocab"] in (0, 32)
+    assert picked["by_vocab"][0]["by_k"][2]["tau"] == pytest.approx(taus[2], abs=1e-4)
+    policy = PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=2), vocab)
+    steps = sum(speculative_generate(target, policy, torch.tensor([ids[:cut]]), max_new_tokens=NEW).num_target_forwards
+                for ids, cut in rows)
+    assert picked["by_vocab"][32]["by_k"][2]["tau"] == pytest.approx(sum(len(i) - c for i, c in rows) / steps, abs=1e-4)
 
 
 def test_soft_loss_trains_and_validates(greedy_data):

@@ -1,6 +1,6 @@
 """experiments.pipeline.replay: T=0 accepted counts replayed from the target's greedy answers equal the online
-verifier's, prompt by prompt and step by step, for every drafter kind it replays (block drafter, ar_assistant,
-prompt_lookup), multi-turn prompts included; the answers are cached; what it cannot replay is refused."""
+verifier's, prompt by prompt and step by step, for every drafter kind it replays (block drafter, with a narrowed
+width or a candidate vocabulary too, ar_assistant, prompt_lookup), multi-turn prompts included; the answers are cached; what it cannot replay is refused."""
 
 from __future__ import annotations
 
@@ -54,6 +54,31 @@ def test_replayed_counts_equal_the_online_verifier(setup, name, tmp_path, monkey
         assert replayed["replay_argmax_mismatches"] == 0 and replayed["speedup"] is None
         accepted += sum(sum(p["accepted_counts"]) for p in replayed["prompts"])
     assert accepted > 0  # drafts do get accepted: the equality is not between empty walks
+
+
+def test_replay_drafts_from_the_candidate_vocabulary(setup, tmp_path, monkeypatch):
+    """A block drafter with a candidate vocabulary (drafter.draft_vocab_size) replays to the online counts, which
+    differ from the whole vocabulary's: the candidates leave out every token the whole vocabulary's drafts get
+    accepted for."""
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    prompts = [p for suite in _suites().values() for p in suite]
+    block = drafters["block"].drafter
+    turns = [t for answer in replay.greedy_answers(target, tok, prompts, suite="all", settings=_settings())[0]
+             for t in answer]
+    leads, _ = replay.block_leads(block, target, turns)
+    accepted = {ids[a + i] for lead, (ids, _) in zip(leads, turns) for a, n in enumerate(lead) for i in range(1, n + 1)}
+    assert accepted
+    vocab = torch.tensor(sorted(set(range(block.vocab_size)) - accepted))
+    counts = {}
+    for name, candidates in (("whole", None), ("candidates", vocab)):
+        drafter = PolicyDrafter(block, DraftingPolicy(), candidates)
+        online = ev.evaluate_suite(target, tok, drafter, prompts, suite="all", temperature=0.0, settings=_settings())
+        replayed = replay.replay_suite(target, tok, drafter, prompts, suite="all", temperature=0.0,
+                                       settings=_settings(replay_greedy=True))
+        counts[name] = [p["accepted_counts"] for p in online["prompts"]]
+        assert [p["accepted_counts"] for p in replayed["prompts"]] == counts[name], name
+    assert counts["whole"] != counts["candidates"]
 
 
 def test_greedy_answers_are_cached_and_evaluate_dispatches_t0(setup, tmp_path, monkeypatch):

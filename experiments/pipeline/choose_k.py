@@ -2,7 +2,8 @@
 training answers (never on the suites): a stage of the main job (:mod:`.main_job`), runnable on its own.
 
     python -m experiments.pipeline.choose_k --data-dir <regenerated data> --target <HF folder> \\
-        [--assistant <HF folder>] [--drafter NAME=<drafter dir> ...] [--ks 2 3 4 5 7 10 15] [--out runs/choose_k.json]
+        [--assistant <HF folder>] [--drafter NAME=<drafter dir> ...] [--ks 2 3 4 5 7 10 15] \\
+        [--draft-vocab-sizes 0 8192 --draft-vocab-from <data or answers folder>] [--out runs/choose_k.json]
 
 On greedy data the stored answers are the target's own greedy output, so a drafter's τ at T=0 on them is exact
 without running the target: prompt lookup is replayed (:func:`experiments.pipeline.replay.lookup_replay`), the assistant's
@@ -12,8 +13,11 @@ batch 1 over a 200-column cache, interleaved round by round. The estimated speed
 τ(K) · t_target(1) / (t_target(K + 1) + t_draft(K)); the K with the largest one is chosen. A trained block drafter
 drafts its whole block in one pass but verifies only its first W drafts (``drafter.max_draft_tokens``: the LM head
 runs over W slots, the drafts are the full block's): τ(W) replayed from one teacher-forced target pass
-(:func:`experiments.pipeline.replay.block_leads`), t_draft(W) timed like the target's forwards. Rows: the validation
-split of the data folder (the same ``val_fraction`` as training).
+(:func:`experiments.pipeline.replay.block_leads`), t_draft(W) timed like the target's forwards. With
+``--draft-vocab-sizes``, each W is also tried drafting from the N most frequent response tokens of
+``--draft-vocab-from`` (FR-Spec's candidate vocabulary, ``drafter.draft_vocab_size``; 0: the whole vocabulary): τ
+replayed from the candidates, the drafts of every (W, N) timed interleaved; the (W, N) with the largest estimate is
+chosen. Rows: the validation split of the data folder (the same ``val_fraction`` as training).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +34,7 @@ from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import load_regenerated, split_by_id
 from experiments.data.target import load_target
+from experiments.pipeline.eval_drafters import candidate_vocab
 from experiments.pipeline.records import write_record
 from experiments.pipeline.replay import assistant_leads, block_leads, lookup_replay
 from experiments.pipeline.timing import prefill
@@ -54,27 +60,33 @@ def assistant_tau(model, rows, k: int) -> float:
     return tokens / steps
 
 
-def block_tau(drafter, target, rows, widths) -> dict[int, float]:
-    """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths``."""
-    leads, _ = block_leads(drafter, target, rows)
+def block_tau(drafter, target, rows, widths, vocab: torch.Tensor | None = None) -> dict[int, float]:
+    """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths``,
+    drafting from the candidate ids ``vocab`` (V',) if given."""
+    leads, _ = block_leads(drafter, target, rows, vocab=vocab)
     tokens = sum(len(ids) - cut for ids, cut in rows)
     return {w: tokens / sum(len(greedy_walk([min(n, w) for n in lead], cut, len(ids))[0])
                             for lead, (ids, cut) in zip(leads, rows)) for w in widths}
 
 
 @torch.no_grad()
-def block_draft_ms(target, drafter, widths, rounds: int, context: int = 200) -> dict[int, float]:
-    """Median ms of one draft verifying W slots (the head over W slots only), batch 1, after a ``context``-column
-    prefill, per W; interleaved round by round."""
-    _cache, anchor, position = prefill(target, drafter, 1, context)  # the drafter reads this cache
-    narrowed = {w: PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w)) for w in widths}
-    times: dict[int, list[float]] = {w: [] for w in widths}
+def draft_ms(target, drafters: dict, rounds: int, context: int = 200) -> dict:
+    """Median ms of one draft by each of ``drafters`` (key -> :class:`PolicyDrafter`, all wrapping one block drafter),
+    batch 1, after a ``context``-column prefill; interleaved round by round."""
+    _cache, anchor, position = prefill(target, next(iter(drafters.values())), 1, context)  # the drafter reads it
+    times: dict = {key: [] for key in drafters}
     for _ in range(rounds):
-        for w in widths:
+        for key, drafter in drafters.items():
             t = time.perf_counter()
-            narrowed[w].draft(anchor, position)
-            times[w].append(1000 * (time.perf_counter() - t))
-    return {w: statistics.median(v[1:] if len(v) > 1 else v) for w, v in times.items()}
+            drafter.draft(anchor, position)
+            times[key].append(1000 * (time.perf_counter() - t))
+    return {key: statistics.median(v[1:] if len(v) > 1 else v) for key, v in times.items()}
+
+
+def block_draft_ms(target, drafter, widths, rounds: int, context: int = 200) -> dict[int, float]:
+    """Median ms of one draft verifying W slots (the head over W slots only), per W (:func:`draft_ms`)."""
+    return draft_ms(target, {w: PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w)) for w in widths}, rounds,
+                    context)
 
 
 @torch.no_grad()
@@ -98,6 +110,18 @@ def choose(taus: dict[int, float], step_ms: dict[int, float], one_ms: float) -> 
     return {"by_k": rows, "chosen_k": max(rows, key=lambda k: rows[k]["speedup_estimate"])}
 
 
+def choose_block(drafter, target, rows, widths, vocabs: dict, target_ms: dict[int, float], rounds: int) -> dict:
+    """The width W and candidate vocabulary (``vocabs``: size N -> ids (N',), 0 -> None for the whole vocabulary) a
+    block drafter verifies best: :func:`choose` per N, the N of the largest estimate chosen (``chosen_vocab``)."""
+    variants = {(w, n): PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w), ids)
+                for n, ids in vocabs.items() for w in widths}
+    ms = draft_ms(target, variants, rounds)
+    by_vocab = {n: choose(block_tau(drafter, target, rows, widths, ids),
+                          {w: target_ms[w + 1] + ms[w, n] for w in widths}, target_ms[1]) for n, ids in vocabs.items()}
+    best = max(by_vocab, key=lambda n: by_vocab[n]["by_k"][by_vocab[n]["chosen_k"]]["speedup_estimate"])
+    return {**by_vocab[best], "chosen_vocab": best, "by_vocab": by_vocab}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", required=True)
@@ -106,6 +130,10 @@ def main(argv=None) -> dict:
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
                    help="a trained block drafter: the width W of its drafts to verify (drafter.max_draft_tokens)")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5, 7, 10, 15])
+    p.add_argument("--draft-vocab-sizes", type=int, nargs="+", default=[0],
+                   help="block drafters: candidate vocabulary sizes tried (drafter.draft_vocab_size; 0: the whole)")
+    p.add_argument("--draft-vocab-from", default=None,
+                   help="the data or recorded-answers folder the candidates are counted in (default: --data-dir)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
@@ -129,12 +157,14 @@ def main(argv=None) -> dict:
     for name, path in (item.split("=", 1) for item in args.drafter):
         drafter = factory.load(path, target=target).eval()
         ws = [w for w in args.ks if w <= drafter.num_draft_tokens]
-        result.setdefault("block_width", {})[name] = choose(
-            block_tau(drafter, target, rows, ws), {w: target_ms[w + 1] + ms for w, ms in
-                                                   block_draft_ms(target, drafter, ws, args.rounds).items()}, target_ms[1])
+        vocabs = {n: candidate_vocab(target, n, args.draft_vocab_from or args.data_dir, Path(path)) if n else None
+                  for n in args.draft_vocab_sizes}
+        result.setdefault("block_width", {})[name] = choose_block(drafter, target, rows, ws, vocabs, target_ms,
+                                                                  args.rounds)
     write_record({"config": vars(args), **result}, args.out)
     for name, chosen in result.get("block_width", {}).items():
-        print(f"[choose_k] {name}: W = {chosen['chosen_k']}  {chosen['by_k']}", flush=True)
+        print(f"[choose_k] {name}: W = {chosen['chosen_k']}, candidate vocabulary {chosen['chosen_vocab'] or 'all'}  "
+              f"{chosen['by_k']}", flush=True)
     for name in ("prompt_lookup", "ar_assistant"):
         if name in result:
             print(f"[choose_k] {name}: K = {result[name]['chosen_k']}  {result[name]['by_k']}", flush=True)

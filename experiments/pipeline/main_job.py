@@ -11,7 +11,7 @@ By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-1
 3. ``experiments.evaluate`` — every drafter and baseline on the suites at T=0 (replayed from the target's greedy
    answers, :mod:`experiments.pipeline.replay`) and T=1 (decoded, batch 8; ``evaluate_overrides``), then the
    drafters of ``speed_drafters`` again at batch 1, T=0, against the target alone (``speed_overrides``), each
-   baseline at the K and each trained drafter verifying the W chosen on held-out training answers
+   baseline at the K and each trained drafter verifying the W (and candidate vocabulary) chosen on held-out training answers
    (``experiments.pipeline.choose_k``);
 4. ``experiments.serve_check`` — with ``serve_check``, one block drafter served by vLLM for CPU beside the target
    alone, its acceptance checked against blockdraft's (skipped, with the reason in the log, without a vLLM
@@ -132,17 +132,21 @@ def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict)
     return drafters
 
 
-def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path], log: dict) -> dict[str, int]:
-    """With ``choose_k``: each of prompt_lookup and ar_assistant's best K on the held-out training answers
-    (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``); ``{}`` without."""
+def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path], log: dict) -> dict[str, list[str]]:
+    """With ``choose_k``: each of prompt_lookup and ar_assistant's best K, and each timed block drafter's best W (and
+    candidate vocabulary, ``choose_k.draft_vocab_sizes``) on the held-out training answers
+    (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``), as evaluation overrides by drafter; ``{}``
+    without."""
     wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
-    if not cfg.get("choose_k") or not wanted:
+    spec = cfg.get("choose_k")
+    if not spec or not wanted:
         return {}
     if fill["data_dir"] is None:
         raise ValueError(f"choose_k needs {_MADE_BY['data_dir']}")
-    out = run_dir / "choose_k.json"
-    args = ["--data-dir", fill["data_dir"], "--target", str(cfg.choose_k.target_path), "--out", str(out),
-            "--ks", *map(str, cfg.choose_k.ks)]
+    out, vocab_from = run_dir / "choose_k.json", spec.get("draft_vocab_from") or fill["data_dir"]
+    args = ["--data-dir", fill["data_dir"], "--target", str(spec.target_path), "--out", str(out),
+            "--ks", *map(str, spec.ks), "--draft-vocab-sizes", *map(str, spec.get("draft_vocab_sizes") or [0]),
+            "--draft-vocab-from", str(vocab_from)]
     if "ar_assistant" in wanted and fill["assistant_dir"] is not None:
         args += ["--assistant", fill["assistant_dir"]]
     for name in _timed(cfg, blocks):
@@ -150,8 +154,12 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
     if not out.is_file():  # a resumed job keeps the K it chose
         stage("choose K", "experiments.pipeline.choose_k", args, log)
     chosen = json.loads(out.read_text())
-    widths = {name: int(c["chosen_k"]) for name, c in chosen.get("block_width", {}).items()}
-    return {b: int(chosen[b]["chosen_k"]) for b in wanted if b in chosen} | widths
+    overrides = {b: [f"drafter.num_draft_tokens={int(chosen[b]['chosen_k'])}"] for b in wanted if b in chosen}
+    for name, c in chosen.get("block_width", {}).items():
+        vocab = int(c.get("chosen_vocab") or 0)  # 0: the whole vocabulary
+        overrides[name] = [f"drafter.max_draft_tokens={int(c['chosen_k'])}", *(
+            [f"drafter.draft_vocab_size={vocab}", f"drafter.draft_vocab_from={vocab_from}"] if vocab else [])]
+    return overrides
 
 
 def _timed(cfg: DictConfig, names) -> list[str]:
@@ -159,8 +167,8 @@ def _timed(cfg: DictConfig, names) -> list[str]:
     return [n for n in names if cfg.get("speed_drafters") is None or n in cfg.speed_drafters]
 
 
-def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], blocks: dict, chosen: dict,
-              log: dict) -> list[str]:
+def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], blocks: dict,
+              chosen: dict[str, list[str]], log: dict) -> list[str]:
     """τ of every drafter (``eval/<name>``), then speed at batch 1 of the timed ones (``speed/<name>``); returns
     the timed ones."""
     evaluate = [f"target={cfg.eval_target}", *cfg.common_overrides]
@@ -171,8 +179,7 @@ def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], bl
     for kind, overrides in kinds.items():
         for name, args in drafters.items():
             if kind == "eval" or name in timed:
-                width = [f"drafter.max_draft_tokens={chosen[name]}"] if kind == "speed" and name in blocks \
-                    and name in chosen else []  # a block drafter verifies its best W at batch 1
+                width = chosen.get(name, []) if kind == "speed" and name in blocks else []  # its best W at batch 1
                 stage(f"{kind} {name}", "experiments.evaluate",
                       [*evaluate, *args, *width, *overrides, f"hydra.run.dir={run_dir / kind / name}"], log)
     return timed
@@ -235,8 +242,7 @@ def run_main_job(cfg: DictConfig) -> dict:
         drafters[name] = [f"drafter.path={path}", f"drafter.name={name}", *cfg.shipped_overrides]
     for baseline in cfg.baselines:
         extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
-        k = [f"drafter.num_draft_tokens={chosen[baseline]}"] if baseline in chosen else []
-        drafters[baseline] = [f"drafter={baseline}", *extra, *k]
+        drafters[baseline] = [f"drafter={baseline}", *extra, *chosen.get(baseline, [])]
     timed = _evaluate(cfg, run_dir, drafters, blocks, chosen, log)
     _serve_check(cfg, run_dir, served, blocks, log)
     report_dir = _reports(cfg, run_dir, drafters, timed, log)

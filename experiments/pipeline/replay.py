@@ -85,9 +85,11 @@ def assistant_leads(model: torch.nn.Module, ids: Sequence[int], k: int) -> list[
 
 
 @torch.no_grad()
-def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4) -> tuple[list[list[int]], int]:
-    """A block drafter's ``lead[a]`` on every turn (one teacher-forced target pass per batch of turns), and the
-    number of answer tokens that differ from the target's argmax in that pass (its float noise; 0 normally)."""
+def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4,
+                vocab: torch.Tensor | None = None) -> tuple[list[list[int]], int]:
+    """A block drafter's ``lead[a]`` on every turn (one teacher-forced target pass per batch of turns), drafting
+    from the candidate ids ``vocab`` (V',) if given, and the number of answer tokens that differ from the target's
+    argmax in that pass (its float noise; 0 normally)."""
     device = next(target.parameters()).device
     leads, mismatches = [], 0
     for start in range(0, len(turns), batch_size):
@@ -97,7 +99,8 @@ def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4) -> 
         ids, length = batch["input_ids"], batch["length"]
         ref = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, S): the answer's token after column c
         lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, batch["attention_mask"],
-                                       batch["prompt_len"], length, ref=ref)
+                                       batch["prompt_len"], length, ref=ref,
+                                       vocab=None if vocab is None else vocab.to(device))
         answer = (torch.arange(ids.shape[1], device=device) >= batch["prompt_len"].unsqueeze(1) - 1) & (
             torch.arange(ids.shape[1], device=device) < length.unsqueeze(1) - 1)
         mismatches += int(((out.logits.argmax(-1) != ref) & answer).sum())
@@ -120,7 +123,7 @@ def leads(drafter, target, turns: Sequence[Turn]) -> tuple[list[Sequence[int]], 
     width it verifies; and the target's argmax mismatches on the answers (block drafters only; else 0)."""
     if isinstance(drafter, PolicyDrafter):
         width = _block_width(drafter)
-        rows, mismatches = block_leads(drafter.drafter, target, turns)
+        rows, mismatches = block_leads(drafter.drafter, target, turns, vocab=drafter.draft_vocab)
         return [[min(n, width) for n in row] for row in rows], mismatches
     if isinstance(drafter, AssistantDrafter):
         return [assistant_leads(drafter.model, ids, drafter.num_draft_tokens) for ids, _ in turns], 0
