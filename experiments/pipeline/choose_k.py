@@ -36,7 +36,7 @@ from drafters.training.datamodule import load_regenerated, split_by_id
 from experiments.data.target import load_target
 from experiments.pipeline.eval_drafters import candidate_vocab
 from experiments.pipeline.records import write_record
-from experiments.pipeline.replay import assistant_leads, block_leads, lookup_replay
+from experiments.pipeline.replay import assistant_leads, block_leads_by_vocab, lookup_replay
 from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument, new_growing_kv_cache
 
@@ -63,10 +63,16 @@ def assistant_tau(model, rows, k: int) -> float:
 def block_tau(drafter, target, rows, widths, vocab: torch.Tensor | None = None) -> dict[int, float]:
     """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths``,
     drafting from the candidate ids ``vocab`` (V',) if given."""
-    leads, _ = block_leads(drafter, target, rows, vocab=vocab)
+    return block_taus(drafter, target, rows, widths, {0: vocab})[0]
+
+
+def block_taus(drafter, target, rows, widths, vocabs: dict) -> dict:
+    """:func:`block_tau` per candidate vocabulary (``vocabs``: key -> ids (V',) or None), one target pass for all."""
+    by_vocab, _ = block_leads_by_vocab(drafter, target, rows, list(vocabs.values()))
     tokens = sum(len(ids) - cut for ids, cut in rows)
-    return {w: tokens / sum(len(greedy_walk([min(n, w) for n in lead], cut, len(ids))[0])
-                            for lead, (ids, cut) in zip(leads, rows)) for w in widths}
+    return {key: {w: tokens / sum(len(greedy_walk([min(n, w) for n in lead], cut, len(ids))[0])
+                                  for lead, (ids, cut) in zip(leads, rows)) for w in widths}
+            for key, leads in zip(vocabs, by_vocab)}
 
 
 @torch.no_grad()
@@ -116,8 +122,8 @@ def choose_block(drafter, target, rows, widths, vocabs: dict, target_ms: dict[in
     variants = {(w, n): PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w), ids)
                 for n, ids in vocabs.items() for w in widths}
     ms = draft_ms(target, variants, rounds)
-    by_vocab = {n: choose(block_tau(drafter, target, rows, widths, ids),
-                          {w: target_ms[w + 1] + ms[w, n] for w in widths}, target_ms[1]) for n, ids in vocabs.items()}
+    taus = block_taus(drafter, target, rows, widths, vocabs)
+    by_vocab = {n: choose(taus[n], {w: target_ms[w + 1] + ms[w, n] for w in widths}, target_ms[1]) for n in vocabs}
     best = max(by_vocab, key=lambda n: by_vocab[n]["by_k"][by_vocab[n]["chosen_k"]]["speedup_estimate"])
     return {**by_vocab[best], "chosen_vocab": best, "by_vocab": by_vocab}
 

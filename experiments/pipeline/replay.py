@@ -84,27 +84,36 @@ def assistant_leads(model: torch.nn.Module, ids: Sequence[int], k: int) -> list[
     return leading_correct(correct, k)
 
 
-@torch.no_grad()
 def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4,
                 vocab: torch.Tensor | None = None) -> tuple[list[list[int]], int]:
     """A block drafter's ``lead[a]`` on every turn (one teacher-forced target pass per batch of turns), drafting
     from the candidate ids ``vocab`` (V',) if given, and the number of answer tokens that differ from the target's
     argmax in that pass (its float noise; 0 normally)."""
+    leads, mismatches = block_leads_by_vocab(drafter, target, turns, [vocab], batch_size)
+    return leads[0], mismatches
+
+
+@torch.no_grad()
+def block_leads_by_vocab(drafter, target, turns: Sequence[Turn], vocabs: Sequence[torch.Tensor | None],
+                         batch_size: int = 4) -> tuple[list[list[list[int]]], int]:
+    """:func:`block_leads` for each of ``vocabs`` (candidate ids (V',) or None: the whole vocabulary) from the same
+    target passes: ``leads[i]`` drafts from ``vocabs[i]``."""
     device = next(target.parameters()).device
-    leads, mismatches = [], 0
+    vocabs = [None if v is None else v.to(device) for v in vocabs]
+    leads, mismatches = [[] for _ in vocabs], 0
     for start in range(0, len(turns), batch_size):
         batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in turns[start: start + batch_size]])
         batch = {k: v.to(device) for k, v in batch.items()}
         out = run_target(target, batch)
         ids, length = batch["input_ids"], batch["length"]
         ref = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, S): the answer's token after column c
-        lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, batch["attention_mask"],
-                                       batch["prompt_len"], length, ref=ref,
-                                       vocab=None if vocab is None else vocab.to(device))
+        for rows, vocab in zip(leads, vocabs):
+            lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, batch["attention_mask"],
+                                           batch["prompt_len"], length, ref=ref, vocab=vocab)
+            rows += [row[: n] for row, n in zip(lead.tolist(), length.tolist())]
         answer = (torch.arange(ids.shape[1], device=device) >= batch["prompt_len"].unsqueeze(1) - 1) & (
             torch.arange(ids.shape[1], device=device) < length.unsqueeze(1) - 1)
         mismatches += int(((out.logits.argmax(-1) != ref) & answer).sum())
-        leads += [row[: n] for row, n in zip(lead.tolist(), length.tolist())]
     return leads, mismatches
 
 
