@@ -109,7 +109,7 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
                                                 "drafter.name=l2r_all_long", "temperatures=[0.0]"]
     assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all_long"]  # its best W at batch 1, chosen held out
     answers = str(Path("experiments/assets/sharegpt_answers").resolve())
-    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:5] == [
+    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:6] == [
         "0", "4096", "8192", "16384", "--draft-vocab-from", answers]
     assert {"drafter.draft_vocab_size=8192", f"drafter.draft_vocab_from={answers}"} <= set(by_name["speed l2r_all_long"])
     assert not any("max_draft_tokens" in a or "draft_vocab" in a for a in by_name["eval l2r_all_long"])  # τ: all
