@@ -143,20 +143,21 @@ def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, 
     """experiments.pipeline.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, from the whole
     vocabulary or a candidate one, and its draft timing covers each W."""
     from drafters.policy import DraftingPolicy, PolicyDrafter
-    from experiments.pipeline.choose_k import block_draft_ms, block_tau, choose_block
+    from experiments.pipeline.choose_k import block_taus, choose_block, draft_ms
 
     target, _, eval_ids, eval_mask = greedy_data
     drafter = trained[0].drafter.eval()
     prompts = [row[m.bool()].tolist() for row, m in zip(eval_ids, eval_mask)]
     rows = [(p + target_generate(target, torch.tensor([p]), max_new_tokens=NEW).new_tokens[0], len(p)) for p in prompts]
-    taus = block_tau(drafter, target, rows, [1, 2, drafter.num_draft_tokens])
+    taus = block_taus(drafter, target, rows, [1, 2, drafter.num_draft_tokens], {0: None})[0]
     for w, tau in taus.items():
         policy = PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w))
         steps = sum(speculative_generate(target, policy, torch.tensor([ids[:cut]]), max_new_tokens=NEW).num_target_forwards
                     for ids, cut in rows)
         assert tau == pytest.approx(sum(len(ids) - cut for ids, cut in rows) / steps), w
     assert taus[drafter.num_draft_tokens] > taus[1] > 1.0, taus  # more is accepted when more is verified
-    ms = block_draft_ms(target, drafter, [1, 2], rounds=2, context=12)
+    ms = draft_ms(target, {w: PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w)) for w in (1, 2)}, rounds=2,
+                  context=12)
     assert set(ms) == {1, 2} and all(v > 0 for v in ms.values())
     # a candidate vocabulary (drafter.draft_vocab_size): τ(W) replayed from the candidates equals the online τ
     vocab = torch.arange(1, VOCAB, 2)

@@ -60,14 +60,9 @@ def assistant_tau(model, rows, k: int) -> float:
     return tokens / steps
 
 
-def block_tau(drafter, target, rows, widths, vocab: torch.Tensor | None = None) -> dict[int, float]:
-    """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths``,
-    drafting from the candidate ids ``vocab`` (V',) if given."""
-    return block_taus(drafter, target, rows, widths, {0: vocab})[0]
-
-
 def block_taus(drafter, target, rows, widths, vocabs: dict) -> dict:
-    """:func:`block_tau` per candidate vocabulary (``vocabs``: key -> ids (V',) or None), one target pass for all."""
+    """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths`` and
+    per candidate vocabulary (``vocabs``: key -> ids (V',) or None for the whole vocabulary), one target pass for all."""
     by_vocab, _ = block_leads_by_vocab(drafter, target, rows, list(vocabs.values()))
     tokens = sum(len(ids) - cut for ids, cut in rows)
     return {key: {w: tokens / sum(len(greedy_walk([min(n, w) for n in lead], cut, len(ids))[0])
@@ -87,12 +82,6 @@ def draft_ms(target, drafters: dict, rounds: int, context: int = 200) -> dict:
             drafter.draft(anchor, position)
             times[key].append(1000 * (time.perf_counter() - t))
     return {key: statistics.median(v[1:] if len(v) > 1 else v) for key, v in times.items()}
-
-
-def block_draft_ms(target, drafter, widths, rounds: int, context: int = 200) -> dict[int, float]:
-    """Median ms of one draft verifying W slots (the head over W slots only), per W (:func:`draft_ms`)."""
-    return draft_ms(target, {w: PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w)) for w in widths}, rounds,
-                    context)
 
 
 @torch.no_grad()
