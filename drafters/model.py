@@ -354,12 +354,14 @@ class DFlashDrafter(nn.Module):
         return ids
 
     def block_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids=None,
-                     vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     vocab_ids: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
         """Logits (Bt, A, K, V) of blocks ``[anchor, slot_ids]`` (default ``[anchor, MASK x K]``).
 
         anchor_ids, anchor_positions: (Bt, A) long; kv: from :meth:`context_kv` over S columns;
         mask: (Bt, 1, A*B, S + A*B) bool from :meth:`training_mask`; slot_ids: (Bt, A, K) long from
-        :meth:`slot_ids`; vocab_ids: see :meth:`head` (then (Bt, A, K, V')).
+        :meth:`slot_ids`; vocab_ids: see :meth:`head` (then (Bt, A, K, V')); width: slots 1..W of blocks of W + 1
+        columns (as :meth:`block_inputs` drafts them, and vLLM with W speculative tokens): no slot sees a slot past
+        W, whose logits are then meaningless.
         """
         bt, num_blocks = anchor_ids.shape
         bs = self.config.block_size
@@ -369,6 +371,9 @@ class DFlashDrafter(nn.Module):
         positions = (anchor_positions.unsqueeze(-1) + offsets).view(bt, num_blocks * bs)  # (Bt, A*B)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         own = self.own_mask(bs, x.device)
+        if width is not None:  # a block of width + 1 columns: the later slots are keys no slot sees
+            seen = (offsets <= width).expand(bs, bs)
+            own = seen if own is None else own & seen
         for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
             x = layer(x, cos, sin, BlockContext(ctx_k, ctx_v, mask, bs, own), bs)  # (Bt, A*B, H)
         # (Bt, A, K, H): the drafted slots, made contiguous so the head runs as one plain matmul
@@ -391,11 +396,15 @@ class DFlashDrafter(nn.Module):
             return hook(ids, mask, anchors, prompt_len)
         return anchors.new_full((*anchors.shape, self.num_draft_tokens), self.config.mask_token_id)
 
-    def train_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids=None) -> torch.Tensor:
+    def train_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids=None,
+                     width: int | None = None) -> torch.Tensor:
         """Teacher-forced logits (Bt, A, K, V) of :meth:`forward_train`: :meth:`block_logits` (one pass); hook (refine)."""
         if hook := self.hook("train_logits"):
+            if width is not None:
+                raise ValueError(f"width={width}: blocks narrower than the drafter's are replayed for one-pass "
+                                 f"drafters only (this one has variants {list(self.variant_names)})")
             return hook(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids)
-        return self.block_logits(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids)
+        return self.block_logits(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids, width)
 
     def select_hidden_states(self, hidden_states: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         """Pick ``target_layer_ids`` from the full HF ``hidden_states`` tuple."""
@@ -417,8 +426,11 @@ class DFlashDrafter(nn.Module):
         context_mask: torch.Tensor | None = None,  # (Bt, S) bool/long, False = padding column
         prompt_len: torch.Tensor | None = None,  # (Bt,) long; read by variants' slot inputs (store hints)
         vocab_ids: torch.Tensor | None = None,  # (V',) long: logits of these tokens only (see head)
+        width: int | None = None,  # blocks of width + 1 columns (see block_logits); None = the whole block
     ) -> torch.Tensor:
         """Teacher-forced logits (Bt, A, K, V); block a's slot k predicts ``input_ids[:, anchors[a] + k]``."""
+        if width is not None and not 1 <= width <= self.num_draft_tokens:
+            raise ValueError(f"width={width}: must be in 1..{self.num_draft_tokens} (K of the drafter) or None")
         cached = isinstance(hidden_states, torch.Tensor)
         states = hidden_states if cached else self.select_hidden_states(hidden_states)
         bt, seq = input_ids.shape
@@ -437,7 +449,8 @@ class DFlashDrafter(nn.Module):
         mask = self.training_mask(anchors, seq, context_mask, anchor_mask)
         real = context_mask if context_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         slots = self.slot_ids(input_ids, real, cols, prompt_len)
-        return self.train_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask, slots, vocab_ids)
+        return self.train_logits(input_ids.gather(1, cols), position_ids.gather(1, cols), kv, mask, slots, vocab_ids,
+                                 width)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Same as :meth:`forward_train` (so hooks, wrappers and ``torch.compile`` see a forward)."""

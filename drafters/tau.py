@@ -38,6 +38,7 @@ def anchor_acceptance(
     chunk: int = 64,
     ref: torch.Tensor | None = None,  # (B, S) long: the token after each column; None = the target's argmax
     vocab: torch.Tensor | None = None,  # (V',) long: the candidate ids drafts come from; None = the whole vocabulary
+    width: int | None = None,  # blocks of width + 1 columns (DFlashDrafter.block_logits); None = the whole block
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy-draft acceptance of a block anchored at every response column.
 
@@ -46,7 +47,7 @@ def anchor_acceptance(
     1 + Σ_k Π_{j≤k} p_target(d_j)) and ``valid`` (bool, the anchor columns prompt_len-1..length-2).
     """
     bsz, seq = input_ids.shape
-    k_slots = drafter.config.block_size - 1
+    k_slots = drafter.config.block_size - 1 if width is None else width
     ref = target_logits.argmax(-1) if ref is None else ref  # (B, S): the target's greedy token for column c + 1
     lse = torch.stack([row.float().logsumexp(-1) for row in target_logits])  # (B, S)
     # One spare column (index S) receives the padding anchors' values and is dropped at the end.
@@ -59,7 +60,9 @@ def anchor_acceptance(
         j = torch.arange(start, min(start + chunk, int(count.max())), device=input_ids.device)  # (A,)
         amask = j.unsqueeze(0) < count.unsqueeze(1)  # (B, A)
         anchors = (lo.unsqueeze(1) + j).masked_fill(~amask, 0)  # (B, A)
-        logits = drafter.forward_train(hidden_states, input_ids, None, anchors, amask, attention_mask)
+        logits = drafter.forward_train(hidden_states, input_ids, None, anchors, amask, attention_mask,
+                                        width=width)
+        logits = logits[:, :, :k_slots]  # (B, A, K)
         drafts = logits.argmax(-1) if vocab is None else vocab[logits[..., vocab].argmax(-1)]  # (B, A, K)
         cols = slot_positions(anchors, k_slots, seq)  # (B, A, K)
         inside = (anchors.unsqueeze(-1) + torch.arange(1, k_slots + 1, device=anchors.device)

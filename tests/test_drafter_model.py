@@ -179,6 +179,34 @@ def test_forward_train_matches_inference_per_block(target_and_drafter):
             torch.testing.assert_close(got[0], train_logits[b, a], atol=2e-5, rtol=1e-4)
 
 
+def test_forward_train_of_a_narrower_block_matches_drafting_it(target_and_drafter):
+    """forward_train(width=W) gives slots 1..W the logits of a block of W + 1 columns, the block
+    block_inputs(width=W) drafts (DraftingPolicy.own_draft_tokens; vLLM with W speculative tokens); they differ
+    from the whole block's, so the width is not a no-op."""
+    target, drafter = target_and_drafter
+    torch.manual_seed(4)
+    ids = torch.randint(0, _token_range(drafter), (1, 14))
+    pos = torch.arange(14).view(1, 14)
+    states = _run_target(target, ids)
+    selected = [states[i] for i in drafter.target_layer_ids]
+    anchors, width = torch.tensor([[3, 9]]), 2
+    if drafter.hook("train_logits"):  # refine: several passes, which vLLM does not draft; refused, not approximated
+        with pytest.raises(ValueError, match="one-pass drafters only"):
+            drafter.forward_train(states, ids, pos, anchors, width=width)
+        return
+    with torch.no_grad():
+        narrow = drafter.forward_train(states, ids, pos, anchors, width=width)
+        whole = drafter.forward_train(states, ids, pos, anchors)
+        for a, t in enumerate(anchors[0].tolist()):
+            drafter.reset(1)
+            drafter.extend(ids[:, :t], torch.ones(1, t, dtype=torch.long), pos[:, :t], [s[:, :t] for s in selected])
+            got = drafter.head(drafter.block_states(drafter.block_inputs(ids[0, t].view(1), pos[0, t].view(1), width)))
+            torch.testing.assert_close(got[0], narrow[0, a, :width], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(narrow[..., :width, :], whole[..., :width, :], atol=1e-3)
+    with pytest.raises(ValueError, match="width=0"):
+        drafter.forward_train(states, ids, pos, anchors, width=0)
+
+
 def test_inference_with_holes_and_batching_matches_training(target_and_drafter):
     """Rows with different anchors share one column buffer padded with holes (masked columns)."""
     target, drafter = target_and_drafter

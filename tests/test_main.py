@@ -99,6 +99,7 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert by_name["serve l2r_all_long"][:2] == ["target=smollm2", f"drafter.path={tmp_path}/assets/l2r_all_long"]
     assert by_name["serve l2r_all_long"][-1] == f"hydra.run.dir={tmp_path}/serve/l2r_all_long"
     assert "speculators=[target,drafter]" in by_name["serve l2r_all_long"]
+    assert "num_speculative_tokens=2" in by_name["serve l2r_all_long"]  # vLLM verifies the W chosen held out
     assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2_sharegpt"
     assets = tmp_path / "assets"
     assert f"drafter.path={assets}/ar_assistant_smollm2" in by_name["eval ar_assistant"]
@@ -109,8 +110,8 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
                                                 "drafter.name=l2r_all_long", "temperatures=[0.0]"]
     assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all_long"]  # its best W at batch 1, chosen held out
     answers = str(Path("experiments/assets/sharegpt_answers").resolve())
-    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:6] == [
-        "0", "4096", "8192", "16384", "--draft-vocab-from", answers]
+    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:5] == [
+        "0", "4096", "8192", "--draft-vocab-from", answers]
     assert {"drafter.draft_vocab_size=8192", f"drafter.draft_vocab_from={answers}"} <= set(by_name["speed l2r_all_long"])
     assert not any("max_draft_tokens" in a or "draft_vocab" in a for a in by_name["eval l2r_all_long"])  # τ: all
     assert not any(a.startswith("temperatures") for a in by_name["eval l2r_all"])  # trained here: T=0 and T=1

@@ -11,6 +11,7 @@ from test_evaluate import _suites, _target, _tokenizer
 import experiments.pipeline.evaluation as ev
 from drafters import DraftingPolicy, PolicyDrafter, factory
 from experiments.pipeline import replay
+from experiments.pipeline.choose_k import assistant_taus
 from experiments.pipeline.settings import DecodingSettings
 from verify import AssistantDrafter, PromptLookupDrafter
 from verify.drafter import truncated_copy
@@ -107,3 +108,19 @@ def test_what_cannot_be_replayed_is_refused(setup, tmp_path, monkeypatch):
         replay.replay_suite(target, tok, drafters["lookup"], _suites()["chat"], suite="chat", temperature=1.0,
                             settings=_settings(replay_greedy=True))
 
+
+
+def test_choose_k_assistant_taus_equal_the_online_verifier(setup, tmp_path, monkeypatch):
+    """experiments.pipeline.choose_k scores the assistant at every K from one teacher-forced forward per row; each
+    K's τ equals the online verifier's with an AssistantDrafter drafting K tokens a step."""
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    model, ks = drafters["assistant"].model, [1, 2, 4]
+    for suite, prompts in _suites().items():
+        turns, _ = replay.greedy_answers(target, tok, prompts, suite=suite, settings=_settings(replay_greedy=True))
+        taus = assistant_taus(model, [turn for per_prompt in turns for turn in per_prompt], ks)
+        for k in ks:
+            online = ev.evaluate_suite(target, tok, AssistantDrafter(model, k), prompts, suite=suite,
+                                       temperature=0.0, settings=_settings())
+            assert taus[k] == pytest.approx(online["tau"]), (suite, k)
+        assert taus[4] > 1.0  # drafts get accepted

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import fake_vllm_env, tiny_target
+from omegaconf import OmegaConf
 
-from drafters import factory
+from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.tau import greedy_walk
-from experiments.serving.check import load_drafter
+from experiments.serving.check import load_drafter, served_width
 from experiments.serving.compare import (
     engine_walk,
     position_counts,
@@ -60,6 +61,31 @@ def test_replay_on_greedy_sequences_equals_blockdraft_online_verifier():
     assert replay["blockdraft"]["accepted_per_pos"] == position_counts(counts, 3)
     # the engine's steps: one fewer token each (the first comes from the prefill), so at most as many steps
     assert replay["engine_steps"]["num_drafts"] <= replay["blockdraft"]["num_drafts"]
+
+
+def test_replay_of_a_narrower_served_block_equals_the_online_verifier_drafting_it():
+    """served with W < K speculative tokens, vLLM drafts blocks of W + 1 columns: the replay (width=W) equals
+    blockdraft's own verifier drafting those blocks (own_draft_tokens = max_draft_tokens = W), step by step."""
+    target = tiny_target("llama", vocab_size=16, num_layers=3, init_range=0.3)  # few tokens: drafts get accepted
+    torch.manual_seed(0)
+    drafter = factory.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2)).eval()
+    narrow = PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=2, own_draft_tokens=2))
+    prompts = [[5, 6, 2, 3], [7, 1, 3, 4, 2, 5]]
+    online = [speculative_generate(target, narrow, torch.tensor([p]), max_new_tokens=20) for p in prompts]
+    replay = sequence_acceptance(drafter, target, prompts, [o.new_tokens[0] for o in online], width=2)
+    counts = [n for o in online for n in o.accepted_counts[0]]
+    assert replay["mismatches"] == 0 and max(counts) <= 2 and sum(counts) > 0
+    assert replay["blockdraft"]["num_drafts"] == sum(o.num_target_forwards for o in online)
+    assert replay["blockdraft"]["accepted_per_pos"] == position_counts(counts, 2)
+
+
+def test_the_served_width_is_the_whole_block_unless_set_and_in_range():
+    target = tiny_target("llama", vocab_size=16, num_layers=3, init_range=0.3)
+    drafter = factory.from_target(target, block_size=4, num_layers=1, target_layer_ids=(1, 2))
+    assert served_width(OmegaConf.create({"num_speculative_tokens": None}), drafter) == 3
+    assert served_width(OmegaConf.create({"num_speculative_tokens": 2}), drafter) == 2
+    with pytest.raises(ValueError, match="num_speculative_tokens=4: must be in 1..3"):
+        served_width(OmegaConf.create({"num_speculative_tokens": 4}), drafter)
 
 
 def _gone(pid_file) -> bool:

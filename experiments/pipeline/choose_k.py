@@ -34,9 +34,10 @@ from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import load_regenerated, split_by_id
 from experiments.data.target import load_target
+from experiments.pipeline.assistant import leading_correct
 from experiments.pipeline.eval_drafters import candidate_vocab
 from experiments.pipeline.records import write_record
-from experiments.pipeline.replay import assistant_leads, block_leads_by_vocab, lookup_replay
+from experiments.pipeline.replay import assistant_correct, block_leads_by_vocab, lookup_replay
 from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument, new_growing_kv_cache
 
@@ -52,12 +53,14 @@ def lookup_tau(rows, k: int) -> float:
     return sum(len(ids) - cut for ids, cut in rows) / steps
 
 
-def assistant_tau(model, rows, k: int) -> float:
-    tokens = steps = 0
+def assistant_taus(model, rows, ks) -> dict[int, float]:
+    """The assistant's τ drafting K tokens a step, per K in ``ks``, from one teacher-forced forward per row."""
+    tokens, steps = sum(len(ids) - cut for ids, cut in rows), dict.fromkeys(ks, 0)
     for ids, cut in rows:
-        accepted, _ = greedy_walk(assistant_leads(model, ids, k), cut, len(ids))
-        tokens, steps = tokens + len(ids) - cut, steps + len(accepted)
-    return tokens / steps
+        correct = assistant_correct(model, ids)
+        for k in ks:
+            steps[k] += len(greedy_walk(leading_correct(correct, k), cut, len(ids))[0])
+    return {k: tokens / n for k, n in steps.items()}
 
 
 def block_taus(drafter, target, rows, widths, vocabs: dict) -> dict:
@@ -147,7 +150,7 @@ def main(argv=None) -> dict:
         assistant = load_target(args.assistant)[0]
         one = forward_ms(assistant, [1], args.rounds)[1]
         result["assistant_token_ms"] = one
-        result["ar_assistant"] = choose({k: assistant_tau(assistant, rows, k) for k in args.ks},
+        result["ar_assistant"] = choose(assistant_taus(assistant, rows, args.ks),
                                         {k: target_ms[k + 1] + k * one for k in args.ks}, target_ms[1])
     for name, path in (item.split("=", 1) for item in args.drafter):
         drafter = factory.load(path, target=target).eval()

@@ -196,8 +196,9 @@ def served_drafter(cfg: DictConfig, blocks: dict[str, Path]) -> str | None:
 
 
 def _serve_check(cfg: DictConfig, run_dir: Path, served: str | None, blocks: dict[str, Path], log: dict) -> None:
-    """``served`` by vLLM beside the target alone (``experiments.serve_check`` into ``serve/<served>/``), where a
-    vLLM environment exists; without one the stage is skipped and the log says why."""
+    """``served`` by vLLM beside the target alone (``experiments.serve_check`` into ``serve/<served>/``), with the
+    speculative tokens W chosen for it (``choose_k.json``), where a vLLM environment exists; without one the stage
+    is skipped and the log says why."""
     if served is None:
         return
     name, out = f"serve {served}", run_dir / "serve" / served
@@ -207,9 +208,12 @@ def _serve_check(cfg: DictConfig, run_dir: Path, served: str | None, blocks: dic
         print(f"\n=== [{name}] skipped: {e}", flush=True)
         log["stages"].append({"stage": name, "skipped": str(e), "seconds": 0.0})
         return
+    chosen = run_dir / "choose_k.json"  # vLLM verifies the W chosen for the drafter on held-out answers, if any
+    width = json.loads(chosen.read_text()).get("block_width", {}).get(served) if chosen.is_file() else None
+    served_width = [f"num_speculative_tokens={int(width['chosen_k'])}"] if width else []
     if not (out / "serve_check.json").is_file():  # a resumed job keeps its serve check
         stage(name, "experiments.serve_check", [f"target={cfg.eval_target}", f"drafter.path={blocks[served]}",
-                                                *cfg.common_overrides, *cfg.serve_check.overrides,
+                                                *cfg.common_overrides, *served_width, *cfg.serve_check.overrides,
                                                 f"hydra.run.dir={out}"], log)
 
 
@@ -228,10 +232,10 @@ def _reports(cfg: DictConfig, run_dir: Path, drafters: dict, timed: list[str], l
 def run_main_job(cfg: DictConfig) -> dict:
     """Data, training, the assistant, τ and speed evaluations of every drafter (trained here, shipped, baselines),
     the reports (``conf/main.yaml``); returns the stage log written to ``<run dir>/main_summary.json``."""
+    t0 = time.time()  # before the config resolves: resolving it may convert the target (experiments.data.smollm2)
     run_dir = Path(cfg.paths.run_dir).resolve()
     science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
-    t0 = time.time()
     shipped, assistant = shipped_drafters(cfg), assistant_dir(cfg, run_dir)  # what is missing is named first
     blocks = {loss: run_dir / "train" / loss / "drafter" for loss in cfg.losses} | shipped  # a W each
     served = served_drafter(cfg, blocks)

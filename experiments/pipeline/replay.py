@@ -76,12 +76,18 @@ def lookup_replay(prompt: list[int], response: list[int], num_draft_tokens: int,
     return len(greedy_walk(lookup_leads(ids, num_draft_tokens, max_ngram, min_ngram), len(prompt), len(ids))[0])
 
 
+@torch.no_grad()
+def assistant_correct(model: torch.nn.Module, ids: Sequence[int]) -> list[bool]:
+    """Per column c of ``ids``: whether an autoregressive assistant's teacher-forced argmax there is ``ids[c + 1]``
+    (one forward; every K's leads follow from it, :func:`assistant_leads`)."""
+    x = torch.tensor([list(ids)], device=next(model.parameters()).device)
+    return (model(input_ids=x).logits[0, :-1].argmax(-1) == x[0, 1:]).tolist()
+
+
 def assistant_leads(model: torch.nn.Module, ids: Sequence[int], k: int) -> list[int]:
     """An autoregressive assistant's ``lead[a]`` at every column of ``ids``: its greedy drafts from column a
     equal its teacher-forced argmax as long as they are right."""
-    x = torch.tensor([list(ids)], device=next(model.parameters()).device)
-    correct = (model(input_ids=x).logits[0, :-1].argmax(-1) == x[0, 1:]).tolist()  # column c predicts c + 1
-    return leading_correct(correct, k)
+    return leading_correct(assistant_correct(model, ids), k)
 
 
 def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4,

@@ -62,6 +62,17 @@ def encode_suites(cfg: DictConfig, tokenizer, target) -> dict[str, list[list[int
     return encoded
 
 
+def served_width(cfg: DictConfig, drafter) -> int:
+    """vLLM's num_speculative_tokens W for the drafter: ``num_speculative_tokens`` (null: K, the whole block).
+    vLLM drafts a block of W + 1 columns that attend to each other, the block blockdraft drafts with
+    ``drafter.own_draft_tokens=W`` and replays with ``width=W``; W < K verifies fewer columns a step."""
+    k = drafter.num_draft_tokens
+    width = k if cfg.get("num_speculative_tokens") is None else int(cfg.num_speculative_tokens)
+    if not 1 <= width <= k:
+        raise ValueError(f"num_speculative_tokens={width}: must be in 1..{k} (K of the drafter) or null")
+    return width
+
+
 def speculative_config(name: str, cfg: DictConfig, drafter_dir: Path, num_drafts: int) -> dict | None:
     if name == "target":
         return None
@@ -116,15 +127,16 @@ def _outputs(phase: dict, stop_ids: list[int]) -> list[list[int]]:
     return outs
 
 
-def suite_acceptance(phase: dict, prompts, drafter, target, stop_ids) -> dict:
-    """vLLM's counters on one suite next to blockdraft's replay on the engine's outputs."""
-    spec, k = phase["spec"], drafter.num_draft_tokens
+def suite_acceptance(phase: dict, prompts, drafter, target, stop_ids, k: int) -> dict:
+    """vLLM's counters on one suite (``k`` speculative tokens) next to blockdraft's replay on the engine's outputs."""
+    spec = phase["spec"]
     steps = spec["num_drafts"]
     vllm = {"num_drafts": steps, "num_accepted_tokens": spec["num_accepted_tokens"],
             "accepted_per_pos": spec["accepted_per_pos"][:k],
             "acceptance_length": 1 + spec["num_accepted_tokens"] / steps,
             "position_acceptance": [c / steps for c in spec["accepted_per_pos"][:k]]}
-    ours = sequence_acceptance(drafter, target, prompts, _outputs(phase, stop_ids), lookahead=k)
+    ours = sequence_acceptance(drafter, target, prompts, _outputs(phase, stop_ids), lookahead=k,
+                               width=None if k == drafter.num_draft_tokens else k)
     ours.pop("engine_steps_accepted")
     gap = vllm["acceptance_length"] / ours["engine_steps"]["acceptance_length"] - 1
     return {"vllm": vllm, **ours, "relative_difference": gap}
@@ -181,9 +193,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
         raise ServingError("export", str(e)) from e
     suites = encode_suites(cfg, tokenizer, target)
     stop_ids = eos_token_ids(target, tokenizer)
-    # vLLM drafts a block of num_speculative_tokens + 1 slots that attend to each other, so only
-    # block_size - 1 reproduces the blocks the drafter was trained on and blockdraft replays.
-    num_drafts = drafter.num_draft_tokens
+    num_drafts = served_width(cfg, drafter)
     results = run_engines(cfg, drafter_dir, num_drafts, suites, stop_ids)
     doc = {"settings": settings(cfg), "vllm_version": next(iter(results.values()))["vllm_version"],
            "num_prompts": {s: len(p) for s, p in suites.items()}, "speed_tokens_per_s": speeds(results),
@@ -195,7 +205,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
         for phase in results["drafter"]["phases"]:
             if phase["concurrency"] == 1:
                 doc["acceptance"][phase["name"].split("/")[0]] = suite_acceptance(
-                    phase, suites[phase["name"].split("/")[0]], drafter, target, stop_ids)
+                    phase, suites[phase["name"].split("/")[0]], drafter, target, stop_ids, num_drafts)
     out_dir.mkdir(parents=True, exist_ok=True)
     if "drafter" in results:  # what the acceptance was replayed on, to replay it again
         (out_dir / "engine_outputs.json").write_text(json.dumps(

@@ -55,9 +55,11 @@ def summary(accepted: Sequence[int], num_slots: int) -> dict:
 
 
 @torch.no_grad()
-def sequence_leads(drafter, target, prompt: Sequence[int], output: Sequence[int]) -> tuple[list[int], int]:
-    """Per column of ``prompt + output``, the accepted drafts of the block anchored there; and the number of
-    output tokens that are not the target's greedy token on their context."""
+def sequence_leads(drafter, target, prompt: Sequence[int], output: Sequence[int],
+                   width: int | None = None) -> tuple[list[int], int]:
+    """Per column of ``prompt + output``, the accepted drafts of the block (of ``width`` + 1 columns, None: the
+    drafter's) anchored there; and the number of output tokens that are not the target's greedy token on their
+    context."""
     if not prompt or not output:
         raise ValueError(f"sequence_leads needs a non-empty prompt and output, got {len(prompt)} and {len(output)} tokens")
     device = drafter.weight_ref.device
@@ -66,17 +68,19 @@ def sequence_leads(drafter, target, prompt: Sequence[int], output: Sequence[int]
     out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
     prompt_len = torch.tensor([len(prompt)], device=device)
     length = torch.tensor([ids.shape[1]], device=device)
-    lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, mask, prompt_len, length)
+    lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, mask, prompt_len, length,
+                                   width=width)
     greedy = out.logits[0, len(prompt) - 1:-1].argmax(-1)
     return lead[0].tolist(), int((greedy != ids[0, len(prompt):]).sum())
 
 
 def sequence_acceptance(drafter, target, prompts: Sequence[Sequence[int]],
-                        outputs: Sequence[Sequence[int]], lookahead: int = 0) -> dict:
+                        outputs: Sequence[Sequence[int]], lookahead: int = 0, width: int | None = None) -> dict:
     """blockdraft's and the engine's step counts (see the module doc) pooled over sequences.
 
-    ``lookahead``: tokens of the target's greedy continuation (EOS ignored) appended to each sequence before its
-    blocks are verified. vLLM counts the drafts a step accepts before it cuts the output at ``max_tokens`` or
+    ``width``: the drafts are blocks of width + 1 columns, as an engine serving width speculative tokens drafts
+    them (None: the drafter's whole block). ``lookahead``: tokens of the target's greedy continuation (EOS ignored)
+    appended to each sequence before its blocks are verified. vLLM counts the drafts a step accepts before it cuts the output at ``max_tokens`` or
     EOS, so its last step's count needs the tokens past the cut; the serving check passes K. blockdraft's own
     walk cuts at the output's end and does not depend on it."""
     if len(prompts) != len(outputs):
@@ -87,14 +91,14 @@ def sequence_acceptance(drafter, target, prompts: Sequence[Sequence[int]],
         if lookahead:
             ids = torch.tensor([list(prompt) + longer], device=drafter.weight_ref.device)
             longer += target_generate(target, ids, max_new_tokens=lookahead).new_tokens[0]
-        lead, bad = sequence_leads(drafter, target, prompt, longer)
+        lead, bad = sequence_leads(drafter, target, prompt, longer, width)
         mismatches += bad
         length = len(prompt) + len(output)
         accepted, step_kept = greedy_walk(lead, len(prompt), length)
         ours += accepted
         kept += sum(step_kept)
         engine += engine_walk(lead, len(prompt), length)
-    k = drafter.num_draft_tokens
+    k = drafter.num_draft_tokens if width is None else width
     blockdraft = summary(ours, k)
     blockdraft["tau"] = kept / len(ours) if ours else None
     return {"blockdraft": blockdraft, "engine_steps": summary(engine, k), "mismatches": mismatches,
