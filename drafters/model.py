@@ -359,9 +359,8 @@ class DFlashDrafter(nn.Module):
 
         anchor_ids, anchor_positions: (Bt, A) long; kv: from :meth:`context_kv` over S columns;
         mask: (Bt, 1, A*B, S + A*B) bool from :meth:`training_mask`; slot_ids: (Bt, A, K) long from
-        :meth:`slot_ids`; vocab_ids: see :meth:`head` (then (Bt, A, K, V')); width: slots 1..W of blocks of W + 1
-        columns (as :meth:`block_inputs` drafts them, and vLLM with W speculative tokens): no slot sees a slot past
-        W, whose logits are then meaningless.
+        :meth:`slot_ids`; vocab_ids: see :meth:`head` (then (Bt, A, K, V')); width: blocks of W + 1 columns, as
+        :meth:`block_inputs` drafts them (and vLLM with W speculative tokens): slots past W are seen by none.
         """
         bt, num_blocks = anchor_ids.shape
         bs = self.config.block_size
