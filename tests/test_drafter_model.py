@@ -160,13 +160,17 @@ def test_hydra_config_builds_drafter():
 # ---- training and inference agree ---------------------------------------------------------------
 
 
+def _sequences(target, drafter, seed: int, rows: int, length: int = 14):
+    """Random token rows (rows, length), their positions, the target's hidden states and the drafter's layers of them."""
+    torch.manual_seed(seed)
+    ids = torch.randint(0, _token_range(drafter), (rows, length))
+    states = _run_target(target, ids)
+    return ids, torch.arange(length).expand(rows, length), states, [states[i] for i in drafter.target_layer_ids]
+
+
 def test_forward_train_matches_inference_per_block(target_and_drafter):
     target, drafter = target_and_drafter
-    torch.manual_seed(2)
-    ids = torch.randint(0, _token_range(drafter), (2, 14))
-    pos = torch.arange(14).expand(2, 14)
-    states = _run_target(target, ids)
-    selected = [states[i] for i in drafter.target_layer_ids]
+    ids, pos, states, selected = _sequences(target, drafter, 2, 2)
     anchors = torch.tensor([[0, 4, 9], [3, 7, 13]])
     with torch.no_grad():
         train_logits = drafter.forward_train(states, ids, pos, anchors)
@@ -184,11 +188,7 @@ def test_forward_train_of_a_narrower_block_matches_drafting_it(target_and_drafte
     block_inputs(width=W) drafts (DraftingPolicy.own_draft_tokens; vLLM with W speculative tokens); they differ
     from the whole block's, so the width is not a no-op."""
     target, drafter = target_and_drafter
-    torch.manual_seed(4)
-    ids = torch.randint(0, _token_range(drafter), (1, 14))
-    pos = torch.arange(14).view(1, 14)
-    states = _run_target(target, ids)
-    selected = [states[i] for i in drafter.target_layer_ids]
+    ids, pos, states, selected = _sequences(target, drafter, 4, 1)
     anchors, width = torch.tensor([[3, 9]]), 2
     if drafter.hook("train_logits"):  # refine: several passes, which vLLM does not draft; refused, not approximated
         with pytest.raises(ValueError, match="one-pass drafters only"):
