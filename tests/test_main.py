@@ -186,3 +186,18 @@ def test_main_summary_names_the_cache_not_this_machine(tmp_path, monkeypatch):
     text = main_job.portable_summary(log, tmp_path / "run")
     assert str(tmp_path) not in text
     assert "drafter.data_dir=$BLOCKDRAFT_CACHE/regen/tiny/abc hydra.run.dir=eval/x" in text
+
+
+def test_the_readme_main_job_is_the_sharegpt_one_and_its_shipped_drafters_are_committed(tmp_path):
+    """``python -m experiments.main`` composes conf/main_sharegpt.yaml; the drafters and the assistant it reads are
+    in experiments/assets (a clone runs it as it is)."""
+    import subprocess
+    import sys
+
+    printed = subprocess.run([sys.executable, "-m", "experiments.main", "--cfg", "job"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    assert "train_experiment: smollm2_sharegpt" in printed and "l2r_all_long: ${asset:l2r_all_long}" in printed
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}"])
+    assert set(main_job.shipped_drafters(cfg)) == {"uniform_long", "l2r_all_long"}
+    assert Path(main_job.assistant_dir(cfg, tmp_path)).name == "ar_assistant_smollm2"

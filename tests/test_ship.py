@@ -5,6 +5,7 @@ the DFlash export's card reading τ from a given evaluation."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import tiny_qwen3
@@ -106,3 +107,20 @@ def test_the_shipped_assistant_names_its_data_and_commit(tmp_path):
         **RECORD, "commit": "d" * 40}
     readme = (out / "README.md").read_text()
     assert "10,887 recorded answers" in readme and "d" * 40 in readme and "a" * 64 in readme
+
+
+SHIPPED = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "experiments" / "assets").glob("*/card.json"))
+
+
+def test_the_long_pair_is_shipped():
+    assert {p.name for p in SHIPPED} >= {"uniform_long", "l2r_all_long"}  # the rows of the main job's report
+
+
+@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
+def test_a_committed_drafter_loads_with_this_code_and_is_the_one_its_card_describes(folder):
+    card = json.loads((folder / "card.json").read_text())
+    drafter = factory.load(folder)  # its weights and settings checked against blockdraft_record.json
+    assert file_digest(sorted(folder.glob("*.safetensors"))) == card["drafter"]["weights_sha256"]
+    settings = card["drafter"]["settings"]
+    assert (drafter.config.block_size, drafter.config.num_layers) == (settings["block_size"], settings["num_layers"])
+    assert card["training"]["steps"] > 0 and set(card["tau"]["T=0"]) >= {"humaneval", "gsm_symbolic", "mtbench", "mean"}

@@ -1,6 +1,7 @@
 """The main job (``python -m experiments.main``, the README's first command): every stage in turn.
 
-By default (``conf/main.yaml``) it shows the method at its own regime, SmolLM2-135M-Instruct as the target:
+By default (``conf/main_sharegpt.yaml`` over ``conf/main.yaml``) it shows the method at its own regime,
+SmolLM2-135M-Instruct as the target, with the drafters trained for hours and shipped beside a short-budget pair:
 
 1. ``experiments.regenerate experiment=<train_experiment>`` — the drafters' data (for SmolLM2: the recorded answers,
    installed after a regenerated batch matched them token for token);
