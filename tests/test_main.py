@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import fake_vllm_env
@@ -191,9 +193,6 @@ def test_main_summary_names_the_cache_not_this_machine(tmp_path, monkeypatch):
 def test_the_readme_main_job_is_the_sharegpt_one_and_its_shipped_drafters_are_committed(tmp_path):
     """``python -m experiments.main`` composes conf/main_sharegpt.yaml; the drafters and the assistant it reads are
     in experiments/assets (a clone runs it as it is)."""
-    import subprocess
-    import sys
-
     printed = subprocess.run([sys.executable, "-m", "experiments.main", "--cfg", "job"], capture_output=True,
                              text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
     assert "train_experiment: smollm2_sharegpt" in printed and "l2r_all_long: ${asset:l2r_all_long}" in printed
