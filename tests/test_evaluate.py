@@ -14,8 +14,10 @@ from conftest import tiny_target
 
 import experiments.evaluate as ev_cli
 import experiments.pipeline.evaluation as ev
+import experiments.speed as speed_cli
 from drafters import DraftingPolicy, PolicyDrafter, factory
 from experiments.data.suites import Prompt
+from experiments.pipeline import speed
 from experiments.pipeline.records import TIMING_KEYS
 from experiments.pipeline.settings import DecodingSettings
 
@@ -595,3 +597,52 @@ def test_the_candidate_vocabulary_comes_from_recorded_answers_or_the_training_da
         candidate_vocab(target, 100, None, tmp_path / "drafter")
     with pytest.raises(ValueError, match="draft_vocab_size=0: must be >= 1"):
         candidate_vocab(target, 0, asset_path("smollm2_answers"), tmp_path / "drafter")
+
+
+# ----------------------------------------------------------------------------- experiments.speed
+
+
+def _speed_overrides(assets, run_dir=None):
+    shared = [o for o in _overrides(assets, run_dir) if not o.startswith("drafter.path=")]
+    return [*shared, "batch_size=1", "temperatures=[0.0]", "+drafter@drafters.block=block",
+            f"drafters.block.path={assets / 'drafter'}", "+drafter@drafters.lookup=prompt_lookup",
+            "drafters.lookup.num_draft_tokens=2"]
+
+
+def test_speed_times_every_drafter_against_one_timing_of_the_target(assets, tmp_path, monkeypatch):
+    """experiments.speed: each drafter's results.json as its own evaluation would write it (the same counts), each
+    speedup over the same target-alone timing; a second run times nothing; the report reads the folders."""
+    run_dir = tmp_path / "speed"
+    monkeypatch.setattr(sys, "argv", ["experiments.speed", *_speed_overrides(assets), f"hydra.run.dir={run_dir}"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    speed_cli.main()
+    docs = {n: json.loads((run_dir / n / "results.json").read_text()) for n in ("block", "lookup")}
+    for suite in ("jsonl", "chat"):
+        block, lookup = (docs[n]["results"][suite]["t0"] for n in ("block", "lookup"))
+        assert block["target_tokens_per_s"] == lookup["target_tokens_per_s"] > 0  # one timing of the target alone
+        assert block["greedy_match"] == lookup["greedy_match"] == 1.0  # exact: both wrote the target's answers
+        assert lookup["speedup"] == pytest.approx(lookup["spec_tokens_per_s"] / lookup["target_tokens_per_s"])
+    assert docs["block"]["config"]["drafter"]["path"] == str(assets / "drafter") and "drafters" not in docs["block"]["config"]
+    assert docs["lookup"]["drafter"]["name"] == "prompt_lookup" and docs["lookup"]["drafter"]["config"]["num_draft_tokens"] == 2
+    alone = ev.run_evaluation(_compose([*_overrides(assets, tmp_path / "one"), "batch_size=1", "temperatures=[0.0]"]))
+    assert _untimed(alone) == _untimed(docs["block"])  # the same steps and counts as its own evaluation
+
+    calls = []
+    monkeypatch.setattr(speed, "time_suite", lambda *a, **kw: calls.append(kw["suite"]))
+    speed.run_speed(_compose([*_speed_overrides(assets, run_dir)]))
+    assert calls == []  # every suite was timed for both drafters
+
+    from experiments import report as rp
+
+    summary = rp.main([str(run_dir / "block"), str(run_dir / "lookup"), "--speed", str(run_dir / "block"),
+                       str(run_dir / "lookup"), "--out", str(tmp_path / "report"), "--num-bootstrap", "100"])
+    assert set(summary["speed"]) == {"block", "prompt_lookup"}
+
+
+def test_speed_refuses_other_temperatures_and_no_drafters(assets, tmp_path):
+    with pytest.raises(ValueError, match=r"temperature 0 only \(temperatures=\[0.0\]\), got \[0.0, 1.0\]"):
+        speed.run_speed(_compose([*_speed_overrides(assets, tmp_path / "a"), "temperatures=[0.0,1.0]"]))
+    no_drafters = [o for o in _speed_overrides(assets, tmp_path / "b") if "drafters." not in o]
+    with pytest.raises(ValueError, match=r"drafters: none given; name each with \+drafter@drafters.<name>"):
+        speed.run_speed(_compose(no_drafters))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

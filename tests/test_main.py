@@ -34,16 +34,22 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
 
 
 def _check_evaluations(cfg, by_name: dict, drafters: list[str], timed: list[str], tmp_path) -> None:
-    """Each τ and speed evaluation: the target first, its run dir last, the job's overrides just before it; the
-    baselines at their chosen K; the report over every drafter, then the timed ones."""
-    for kind, overrides in (("eval", cfg.evaluate_overrides), ("speed", cfg.speed_overrides)):
-        for d in drafters if kind == "eval" else timed:
-            args = by_name[f"{kind} {d}"]
-            assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/{kind}/{d}"
-            assert args[-len(overrides) - 1:-1] == list(overrides)
-    assert "batch_size=1" in cfg.speed_overrides and "measure_target_only=true" in cfg.speed_overrides
+    """Each τ evaluation and the speed stage: the target first, its run dir last, the job's overrides just before
+    it; the timed drafters each under drafters.<name>, the baselines at their chosen K; the report over every
+    drafter, then the timed ones."""
+    for name, overrides in ((f"eval {d}", cfg.evaluate_overrides) for d in drafters):
+        args = by_name[name]
+        assert args[0] == "target=smollm2" and args[-1] == f"hydra.run.dir={tmp_path}/eval/{name[5:]}"
+        assert args[-len(overrides) - 1:-1] == list(overrides)
+    speed = by_name["speed"]
+    assert speed[0] == "target=smollm2" and speed[-1] == f"hydra.run.dir={tmp_path}/speed"
+    assert speed[-len(cfg.speed_overrides) - 1:-1] == list(cfg.speed_overrides)
+    assert [a for a in speed if a.startswith("+drafter@")] == [
+        f"+drafter@drafters.{d}={d if d in ('prompt_lookup', 'ar_assistant') else 'block'}" for d in timed]
+    assert not any(a.startswith(("drafter=", "drafter.", "temperatures=")) for a in speed[:-len(cfg.speed_overrides) - 1])
+    assert "batch_size=1" in cfg.speed_overrides and "temperatures=[0.0]" in cfg.speed_overrides
     assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
-    assert "drafter.num_draft_tokens=5" in by_name["speed prompt_lookup"]  # the K chosen on held-out answers
+    assert "drafters.prompt_lookup.num_draft_tokens=5" in speed  # the K chosen on held-out answers
     assert "drafter.num_draft_tokens=3" in by_name["eval ar_assistant"]
     report, n = by_name["report"], len(drafters)
     assert report[:n] == [str(tmp_path / "eval" / d) for d in drafters]
@@ -58,7 +64,7 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
     drafters, timed = ["uniform", "l2r_all", "prompt_lookup", "ar_assistant"], list(cfg.speed_drafters)
     assert "uniform" not in timed and "l2r_all" in timed
     assert names == ["data", "train uniform", "train l2r_all", "train ar_assistant", "choose K",
-                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in timed), "report"]
+                     *(f"eval {d}" for d in drafters), "speed", "report"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
     assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2"
@@ -69,9 +75,10 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
         "0", "--draft-vocab-from", "cache/regen/x/abc"]  # the whole vocabulary only, counted in the drafters' data
     assert by_name["choose K"][-4:] == ["--assistant", f"{tmp_path}/assistant/export",
                                         "--drafter", f"l2r_all={tmp_path}/train/l2r_all/drafter"]
-    assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all"]  # its best W at batch 1, chosen held out
+    assert f"drafters.l2r_all.path={tmp_path}/train/l2r_all/drafter" in by_name["speed"]
+    assert "drafters.l2r_all.max_draft_tokens=2" in by_name["speed"]  # its best W at batch 1, chosen held out
     assert not any("max_draft_tokens" in a for a in by_name["eval l2r_all"])  # τ: the whole block
-    assert not any("draft_vocab" in a for a in by_name["speed l2r_all"])  # chose the whole vocabulary
+    assert not any("draft_vocab" in a for a in by_name["speed"])  # chose the whole vocabulary
     _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
 
 
@@ -94,7 +101,7 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     timed = list(cfg.speed_drafters)
     assert timed == ["l2r_all_long", "prompt_lookup", "ar_assistant"]
     assert names == ["data", "train uniform", "train l2r_all", "choose K",  # the assistant is shipped, not trained
-                     *(f"eval {d}" for d in drafters), *(f"speed {d}" for d in timed), "serve l2r_all_long",
+                     *(f"eval {d}" for d in drafters), "speed", "serve l2r_all_long",
                      "report", "report report_long"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
@@ -110,11 +117,12 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
                                         "--drafter", f"l2r_all_long={assets}/l2r_all_long"]
     assert by_name["eval l2r_all_long"][:4] == ["target=smollm2", f"drafter.path={assets}/l2r_all_long",
                                                 "drafter.name=l2r_all_long", "temperatures=[0.0]"]
-    assert "drafter.max_draft_tokens=2" in by_name["speed l2r_all_long"]  # its best W at batch 1, chosen held out
+    assert "drafters.l2r_all_long.max_draft_tokens=2" in by_name["speed"]  # its best W at batch 1, chosen held out
     answers = str(Path("experiments/assets/sharegpt_answers").resolve())
-    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:5] == [
-        "0", "4096", "8192", "--draft-vocab-from", answers]
-    assert {"drafter.draft_vocab_size=8192", f"drafter.draft_vocab_from={answers}"} <= set(by_name["speed l2r_all_long"])
+    assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:4] == [
+        "0", "4096", "--draft-vocab-from", answers]
+    assert {"drafters.l2r_all_long.draft_vocab_size=8192",
+            f"drafters.l2r_all_long.draft_vocab_from={answers}"} <= set(by_name["speed"])
     assert not any("max_draft_tokens" in a or "draft_vocab" in a for a in by_name["eval l2r_all_long"])  # τ: all
     assert not any(a.startswith("temperatures") for a in by_name["eval l2r_all"])  # trained here: T=0 and T=1
     _check_evaluations(cfg, by_name, drafters, timed, tmp_path)
@@ -163,7 +171,7 @@ def test_the_tiny_regimes_main_job_keeps_its_baselines_and_drafting_settings(tmp
         cfg = compose("main_tiny", overrides=[f"paths.run_dir={tmp_path}"])
     calls, _ = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
     by_name = {c[0]: c[2] for c in calls}
-    assert "train ar_assistant" not in by_name and not any(n.startswith("speed") for n in by_name)
+    assert "train ar_assistant" not in by_name and "speed" not in by_name
     assert by_name["eval ar_assistant"] == ["target=tiny", "drafter=ar_assistant", *cfg.evaluate_overrides,
                                             f"hydra.run.dir={tmp_path}/eval/ar_assistant"]
     trained = [*cfg.trained_evaluate_overrides, *cfg.evaluate_overrides]

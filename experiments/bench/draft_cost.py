@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     target, _ = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(), cfg.target.trust_remote_code)
-    drafter = build_drafter(cfg, target).drafter.eval()
+    drafter = build_drafter(cfg.drafter, target).drafter.eval()
     vocabs = None if args.vocab_sizes is None else {n: candidate_vocab(
         target, n, cfg.drafter.get("draft_vocab_from"), Path(cfg.drafter.path)) if n else None for n in args.vocab_sizes}
     set_weight_layout(settings.weight_layout, target, drafter)

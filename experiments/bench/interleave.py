@@ -48,7 +48,7 @@ def run(shared: list[str], variants: list[str], rounds: int) -> dict[str, dict[s
         torch.set_num_threads(settings.num_threads)
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(),
                                     cfg.target.trust_remote_code)
-    drafters = {v: build_drafter(c, target).drafter for v, (c, _) in configs.items()}
+    drafters = {v: build_drafter(c.drafter, target).drafter for v, (c, _) in configs.items()}
     suites = load_suites(cfg.suite)
     temperature = settings.temperatures[0]
     out: dict[str, dict[str, list[dict]]] = {v: {} for v in variants}

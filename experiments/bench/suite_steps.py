@@ -47,7 +47,7 @@ def profile_suites(cfg, settings) -> dict[str, dict[str, dict]]:
         torch.set_num_threads(settings.num_threads)
     device = settings.resolved_device()
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, device, cfg.target.trust_remote_code)
-    drafter = build_drafter(cfg, target).drafter
+    drafter = build_drafter(cfg.drafter, target).drafter
     if isinstance(drafter, torch.nn.Module):
         drafter.eval()
     out: dict[str, dict[str, dict]] = {}

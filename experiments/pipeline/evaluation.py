@@ -39,7 +39,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import locks
 from drafters.locks import read_json, write_json_atomic
-from experiments.data.hashing import stable_seed
 from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, load_suites
 from experiments.data.target import load_target
@@ -53,22 +52,21 @@ from experiments.pipeline.records import (
     suite_digests,
     temperature_key,
 )
+from experiments.pipeline.replay import replay_suite
 from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.settings import DecodingSettings
 from experiments.pipeline.suite_batches import (  # noqa: F401 (prompt_budget re-exported)
     Decoding,
     prompt_budget,
-    prompt_records,
     start_decoding,
-    suite_entry,
+    suite_result,
     turn_batches,
 )
 from verify.generate import speculative_generate, target_generate
 from verify.layout import set_weight_layout
-from verify.metrics import summarize
 
 
-def _check_suites(suites: Mapping[str, Sequence[Prompt]]) -> None:
+def check_suites(suites: Mapping[str, Sequence[Prompt]]) -> None:
     if not suites:
         raise ValueError("no suites to evaluate: the suites mapping is empty")
     for name, prompts in suites.items():
@@ -80,16 +78,13 @@ def _check_suites(suites: Mapping[str, Sequence[Prompt]]) -> None:
             raise ValueError(f"suite {name!r}: prompt ids must be unique; duplicated: {dup}")
 
 
-# The earlier private names of what moved to experiments.pipeline.suite_batches (experiments.pipeline.replay uses them).
-_entry, _prompt_records, _start_decoding = suite_entry, prompt_records, start_decoding
-
 # ------------------------------------------------------------------------------------------------
 # One (suite, temperature): batches from experiments.pipeline.suite_batches
 
 
-def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: Decoding,
-                  measure_target_only: bool, clock=None) -> list[tuple[dict, str]]:
-    """One batch, speculatively (and target-only for the speedup): per row its turn record and answer."""
+def speculative_batch(target, tokenizer, drafter, rows: list[list[int]], run: Decoding,
+                      clock=None) -> tuple[list[list[int]], list[tuple[dict, str]]]:
+    """One batch decoded speculatively (timed into ``run``): per row its new tokens, and its turn record and answer."""
     input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
     out = speculative_generate(target, drafter, input_ids, attention_mask=mask, generator=run.gen_spec,
                                clock=clock, **run.kwargs)
@@ -99,19 +94,32 @@ def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: Decodi
     done = [({"new_tokens": len(out.new_tokens[row]), "steps": out.target_forwards_per_row[row],
               "accepted_counts": list(out.accepted_counts[row]), "draft_sources": list(out.draft_sources[row])},
              tokenizer.decode(out.new_tokens[row], skip_special_tokens=True).strip()) for row in range(len(rows))]
+    return out.new_tokens, done
+
+
+def target_batch(target, rows: list[list[int]], run: Decoding) -> list[list[int]]:
+    """One batch decoded by the target alone (timed into ``run``): per row its new tokens."""
+    input_ids, mask = left_pad(rows, run.kwargs["pad_token_id"], run.device)
+    base = target_generate(target, input_ids, attention_mask=mask, generator=run.gen_target, **run.kwargs)
+    run.target_time += base.wall_time
+    run.target_new += base.num_new_tokens
+    return base.new_tokens
+
+
+def _decode_batch(target, tokenizer, drafter, rows: list[list[int]], run: Decoding,
+                  measure_target_only: bool, clock=None) -> list[tuple[dict, str]]:
+    """One batch, speculatively (and target-only for the speedup): per row its turn record and answer."""
+    new_tokens, done = speculative_batch(target, tokenizer, drafter, rows, run, clock)
     if measure_target_only:
-        base = target_generate(target, input_ids, attention_mask=mask, generator=run.gen_target, **run.kwargs)
-        run.target_time += base.wall_time
-        run.target_new += base.num_new_tokens
-        run.matches += sum(a == b for a, b in zip(out.new_tokens, base.new_tokens))
+        run.matches += sum(a == b for a, b in zip(new_tokens, target_batch(target, rows, run)))
     return done
 
 
-#: New tokens of the untimed decodes that warm both paths up before a suite's timed ones (:func:`_warm_up`).
+#: New tokens of the untimed decodes that warm both paths up before a suite's timed ones (:func:`warm_up`).
 WARM_UP_NEW_TOKENS = 2
 
 
-def _warm_up(target, drafter, rows: list[list[int]], run: Decoding) -> None:
+def warm_up(target, drafter, rows: list[list[int]], run: Decoding) -> None:
     """A short untimed decode of ``rows`` each way before a suite's timed ones: a process's first decodes pay
     one-time costs (allocations, kernel set-up) that would otherwise land on the speculative side, which runs
     first. Its own generator: the suite's seeded ones are untouched, so sampled answers do not change."""
@@ -136,26 +144,17 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
     turns: list[list[dict]] = [[] for _ in prompts]  # per prompt, per turn: new_tokens, steps, accepted_counts
     for first, chunk, rows in turn_batches(target, tokenizer, prompts, answers, run, s, f"{suite} T={temperature:g}"):
         if first and s.measure_target_only:  # speeds are measured: warm both paths up first
-            _warm_up(target, drafter, rows, run)
+            warm_up(target, drafter, rows, run)
         done = _decode_batch(target, tokenizer, drafter, rows, run, s.measure_target_only, clock)
         for i, (record, answer) in zip(chunk, done):
             turns[i].append(record)
             answers[i].append(answer)
-    records = prompt_records(prompts, turns)
-    total = sum(len(p.turns) for p in prompts)
-    metrics = summarize([r["accepted_counts"] for r in records], [r["new_tokens"] for r in records],
-                        [r["steps"] for r in records], drafter.num_draft_tokens, n_boot=s.num_bootstrap,
-                        seed=stable_seed(s.seed, suite, float(temperature), "bootstrap"))
-    return suite_entry(suite, temperature, metrics, total, run, records, s.measure_target_only)
+    return suite_result(suite, temperature, prompts, turns, run, drafter.num_draft_tokens, s, s.measure_target_only)
 
 
 def _suite_evaluator(settings: DecodingSettings, temperature: float) -> Callable[..., dict]:
     """:func:`evaluate_suite`, or at T=0 with ``replay_greedy`` the replay of the target's greedy answers."""
-    if settings.replay_greedy and temperature == 0:
-        from experiments.pipeline.replay import replay_suite  # it builds on this module's decoding loop
-
-        return replay_suite
-    return evaluate_suite
+    return replay_suite if settings.replay_greedy and temperature == 0 else evaluate_suite
 
 
 def evaluate(
@@ -183,7 +182,7 @@ def evaluate(
     ``done`` holds entries already computed (a resumed run): they are returned as they are, not rerun.
     ``on_result(suite, key, entry)`` is called after each new entry (the entry point saves there).
     """
-    _check_suites(suites)
+    check_suites(suites)
     settings = settings or DecodingSettings()
     if not settings.temperatures:
         raise ValueError("temperatures is empty: give at least one (e.g. [0.0, 1.0])")
@@ -213,17 +212,32 @@ def evaluate(
 # The evaluation stage: config -> results.json
 
 
-def build_drafter(cfg: DictConfig, target) -> EvalDrafter:
-    """The drafter of ``cfg.drafter`` (a ``conf/eval/drafter/`` choice) for ``target``, with its description."""
-    factory = hydra.utils.instantiate(cfg.drafter, _partial_=True)  # called here: its errors are not wrapped
+def build_drafter(drafter_cfg, target) -> EvalDrafter:
+    """The drafter of ``drafter_cfg`` (a ``conf/eval/drafter/`` choice, e.g. an evaluation's ``drafter``) for
+    ``target``, with its description."""
+    factory = hydra.utils.instantiate(drafter_cfg, _partial_=True)  # called here: its errors are not wrapped
     built = factory(target=target)
     if not isinstance(built, EvalDrafter):
-        raise TypeError(f"drafter: {cfg.drafter.get('_target_')} is not an evaluation drafter; choose one of "
+        raise TypeError(f"drafter: {drafter_cfg.get('_target_')} is not an evaluation drafter; choose one of "
                         "conf/eval/drafter/ (block drafter.path=<dir>, prompt_lookup, ar_assistant)")
     return built
 
 
-def _resume(doc: dict, results_path: Path, redo_if_changed: bool) -> None:
+def results_doc(cfg: DictConfig, settings: DecodingSettings, drafter_info: dict, target, suites) -> dict:
+    """A results.json document with no results yet: the resolved config, settings, drafter, target, commit, suites."""
+    return {
+        "format": RESULTS_FORMAT,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "settings": settings.generation(),
+        "drafter": drafter_info,
+        "target": describe_target(target, cfg.target.path),
+        "git_commit": git_commit(),
+        "suites": suite_digests(suites),
+        "results": {},
+    }
+
+
+def resume_results(doc: dict, results_path: Path, redo_if_changed: bool) -> None:
     """Take the finished entries of an earlier results.json at ``results_path`` into ``doc`` (same drafter,
     target, prompts and settings only; with ``redo_if_changed`` another one is moved aside instead)."""
     previous = read_json(results_path, "results file")
@@ -276,24 +290,15 @@ def _run_evaluation(cfg: DictConfig, settings: DecodingSettings) -> dict:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     suites = load_suites(cfg.suite)
-    _check_suites(suites)
+    check_suites(suites)
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(),
                                     cfg.target.trust_remote_code)
-    built = build_drafter(cfg, target)
+    built = build_drafter(cfg.drafter, target)
     set_weight_layout(settings.weight_layout, target, built.drafter)
-    doc = {
-        "format": RESULTS_FORMAT,
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "settings": settings.generation(),
-        "drafter": built.info,
-        "target": describe_target(target, cfg.target.path),
-        "git_commit": git_commit(),
-        "suites": suite_digests(suites),
-        "results": {},
-    }
+    doc = results_doc(cfg, settings, built.info, target, suites)
     results_path = Path(cfg.results_path)
     if results_path.is_file():
-        _resume(doc, results_path, bool(cfg.get("redo_if_changed", False)))
+        resume_results(doc, results_path, bool(cfg.get("redo_if_changed", False)))
     run_dir = Path(OmegaConf.select(cfg, "paths.run_dir", default=None) or results_path.parent)
     commit_hydra_records(run_dir)  # checked: this job's .hydra/ replaces the folder's, its log joins
     commit_job_log(run_dir)

@@ -11,9 +11,9 @@ SmolLM2-135M-Instruct as the target, with the drafters trained for hours and shi
    long job's, ``conf/main_sharegpt.yaml``) join the evaluations; a missing one is named before any stage runs;
 3. ``experiments.evaluate`` — every drafter and baseline on the suites at T=0 (replayed from the target's greedy
    answers, :mod:`experiments.pipeline.replay`) and T=1 (decoded, batch 8; ``evaluate_overrides``), then the
-   drafters of ``speed_drafters`` again at batch 1, T=0, against the target alone (``speed_overrides``), each
-   baseline at the K and each trained drafter verifying the W (and candidate vocabulary) chosen on held-out training answers
-   (``experiments.pipeline.choose_k``);
+   drafters of ``speed_drafters`` at batch 1, T=0, against one timing of the target alone, interleaved in one process
+   (``experiments.speed``, ``speed_overrides``), each baseline at the K and each block drafter verifying the W (and
+   candidate vocabulary) chosen on held-out training answers (``experiments.pipeline.choose_k``);
 4. ``experiments.serve_check`` — with ``serve_check``, one block drafter served by vLLM for CPU beside the target
    alone, its acceptance checked against blockdraft's (skipped, with the reason in the log, without a vLLM
    environment: ``bash experiments/serving/install_vllm.sh``);
@@ -168,21 +168,30 @@ def _timed(cfg: DictConfig, names) -> list[str]:
     return [n for n in names if cfg.get("speed_drafters") is None or n in cfg.speed_drafters]
 
 
+def speed_arguments(name: str, args: list[str]) -> list[str]:
+    """One drafter's part of the speed stage's command (``experiments.speed``): its ``drafter`` choice and keys
+    (an evaluation's ``drafter=<choice>`` / ``drafter.<key>=...``; no choice: a block drafter) under
+    ``drafters.<name>``. Its other evaluation overrides are not its own: ``speed_overrides`` set the decoding."""
+    choice = next((a.split("=", 1)[1] for a in args if a.startswith("drafter=")), "block")
+    keys = [f"drafters.{name}.{a[len('drafter.'):]}" for a in args if a.startswith("drafter.")]
+    return [f"+drafter@drafters.{name}={choice}", *keys]
+
+
 def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], blocks: dict,
               chosen: dict[str, list[str]], log: dict) -> list[str]:
-    """τ of every drafter (``eval/<name>``), then speed at batch 1 of the timed ones (``speed/<name>``); returns
-    the timed ones."""
+    """τ of every drafter (``eval/<name>``), then the speed at batch 1 of the timed ones against one timing of the
+    target alone (``experiments.speed`` into ``speed/<name>``); returns the timed ones."""
     evaluate = [f"target={cfg.eval_target}", *cfg.common_overrides]
-    kinds = {"eval": list(cfg.evaluate_overrides)}
-    if cfg.get("speed_overrides") is not None:
-        kinds["speed"] = list(cfg.speed_overrides)
-    timed = _timed(cfg, drafters) if "speed" in kinds else []
-    for kind, overrides in kinds.items():
-        for name, args in drafters.items():
-            if kind == "eval" or name in timed:
-                width = chosen.get(name, []) if kind == "speed" and name in blocks else []  # its best W at batch 1
-                stage(f"{kind} {name}", "experiments.evaluate",
-                      [*evaluate, *args, *width, *overrides, f"hydra.run.dir={run_dir / kind / name}"], log)
+    for name, args in drafters.items():
+        stage(f"eval {name}", "experiments.evaluate",
+              [*evaluate, *args, *cfg.evaluate_overrides, f"hydra.run.dir={run_dir / 'eval' / name}"], log)
+    if cfg.get("speed_overrides") is None:
+        return []
+    timed = _timed(cfg, drafters)
+    if timed:
+        each = [a for n in timed for a in speed_arguments(n, [*drafters[n], *(chosen.get(n, []) if n in blocks else [])])]
+        stage("speed", "experiments.speed", [*evaluate, *each, *cfg.speed_overrides,
+                                             f"hydra.run.dir={run_dir / 'speed'}"], log)
     return timed
 
 

@@ -33,16 +33,15 @@ from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import anchor_acceptance, greedy_walk
 from drafters.training.blocks import run_target
 from drafters.training.datamodule import collate
-from experiments.data.hashing import settings_hash, stable_seed
+from experiments.data.hashing import settings_hash
 from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, cache_dir
 from experiments.data.target import eos_token_ids
 from experiments.pipeline.assistant import leading_correct
-from experiments.pipeline.evaluation import _entry, _prompt_records, _start_decoding, turn_batches
+from experiments.pipeline.suite_batches import start_decoding, suite_result, turn_batches
 from verify import AssistantDrafter, PromptLookupDrafter
 from verify.drafter import copy_tokens, lookup_start
 from verify.generate import target_generate
-from verify.metrics import summarize
 
 #: Answers of one turn: the token ids the target saw and wrote, and where its answer starts.
 Turn = tuple[list[int], int]
@@ -167,7 +166,7 @@ def greedy_answers(target, tokenizer, prompts: Sequence[Prompt], *, suite: str,
     if path.is_file():
         cached = json.loads(path.read_text())
         return [[(list(ids), int(cut)) for ids, cut in turns] for turns in cached["answers"]], cached["truncated"]
-    run = _start_decoding(target, tokenizer, suite, 0.0, settings)
+    run = start_decoding(target, tokenizer, suite, 0.0, settings)
     texts: list[list[str]] = [[] for _ in prompts]
     answers: list[list[Turn]] = [[] for _ in prompts]
     for _, chunk, rows in turn_batches(target, tokenizer, prompts, texts, run, settings, f"{suite} greedy answers"):
@@ -199,12 +198,9 @@ def replay_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite
                          "draft_sources": []})
     records = iter(per_turn)
     turns = [[next(records) for _ in p_turns] for p_turns in answers]
-    prompt_records = _prompt_records(prompts, turns)
-    metrics = summarize([r["accepted_counts"] for r in prompt_records], [r["new_tokens"] for r in prompt_records],
-                        [r["steps"] for r in prompt_records], drafter.num_draft_tokens, n_boot=settings.num_bootstrap,
-                        seed=stable_seed(settings.seed, suite, float(temperature), "bootstrap"))
-    run = _start_decoding(target, tokenizer, suite, temperature, settings)
-    entry = _entry(suite, temperature, metrics, len(flat), run, prompt_records, measure_target_only=False)
+    run = start_decoding(target, tokenizer, suite, temperature, settings)
+    entry = suite_result(suite, temperature, prompts, turns, run, drafter.num_draft_tokens, settings,
+                         measure_target_only=False)
     for key in ("batched_forwards", "mean_draft_width", "spec_wall_time_s", "spec_tokens_per_s"):
         entry[key] = None  # no decoding ran
     entry["truncated_prompts"] = truncated

@@ -18,7 +18,7 @@ from experiments.data.suites import Prompt
 from experiments.data.target import eos_token_ids
 from experiments.pipeline.settings import DecodingSettings
 from verify.hf import max_positions
-from verify.metrics import accepted_by_source
+from verify.metrics import accepted_by_source, summarize
 
 
 def prompt_budget(target, max_prompt_tokens: int | None, max_new_tokens: int) -> int:
@@ -110,6 +110,19 @@ def prompt_records(prompts: Sequence[Prompt], turns: list[list[dict]]) -> list[d
         "accepted_counts": [c for t in turns[i] for c in t["accepted_counts"]],
         "draft_sources": [c for t in turns[i] for c in t["draft_sources"]],
     } for i, p in enumerate(prompts)]
+
+
+def suite_result(suite: str, temperature: float, prompts: Sequence[Prompt], turns: list[list[dict]], run: Decoding,
+                 num_draft_tokens: int, s: DecodingSettings, measure_target_only: bool) -> dict:
+    """A suite's results.json entry from its per-prompt, per-turn records (:func:`prompt_records`): the metrics of
+    :func:`verify.metrics.summarize` with a bootstrap seeded from ``(seed, suite, temperature)``, and
+    :func:`suite_entry`'s fields."""
+    records = prompt_records(prompts, turns)
+    metrics = summarize([r["accepted_counts"] for r in records], [r["new_tokens"] for r in records],
+                        [r["steps"] for r in records], num_draft_tokens, n_boot=s.num_bootstrap,
+                        seed=stable_seed(s.seed, suite, float(temperature), "bootstrap"))
+    return suite_entry(suite, temperature, metrics, sum(len(p.turns) for p in prompts), run, records,
+                       measure_target_only)
 
 
 def suite_entry(suite: str, temperature: float, metrics: dict, total: int, run: Decoding, records: list[dict],
