@@ -80,6 +80,13 @@ def test_train_export_resume(env, monkeypatch):
     out = speculative_generate(target, drafter, prompt, max_new_tokens=NEW)
     assert out.new_tokens == target_generate(target, prompt, max_new_tokens=NEW).new_tokens
 
+    # Continued in a new run (init_from: the export): it starts where the export ended, and says so.
+    later = env["root"] / "runs" / "assistant_continued"
+    run_main(train_assistant, [*_args(env, later, 2)[:-1], f"init_from={export}", f"hydra.run.dir={later}"])
+    continued = json.loads((later / "export" / "training.json").read_text())
+    assert continued["init"].startswith("continued from `export` (6 steps")
+    assert continued["val_at_start"]["val/ce"] == pytest.approx(meta["val"]["val/ce"], abs=1e-2)  # float16 export
+
 
 def test_init_from_target_and_errors(env):
     target = env["target"]
@@ -99,6 +106,12 @@ def test_init_from_target_and_errors(env):
             assert torch.equal(weight, target.state_dict()[name]) == (".layers." not in name), name
     with pytest.raises(ValueError, match="'layers'"):
         asst.build_assistant(target, small, init_from_target="layers")
+    model.save_pretrained(env["root"] / "saved_small")
+    with pytest.raises(ValueError, match=r"init_from=.*saved_small: another architecture than model: \(num_hidden_layers: "
+                                         r"1 \(saved\) != 2 \(model.num_hidden_layers\)\)"):
+        asst.continue_from(asst.build_assistant(target, {**small, "num_hidden_layers": 2}), env["root"] / "saved_small")
+    with pytest.raises(FileNotFoundError, match="init_from=.*nowhere: no saved assistant there"):
+        asst.continue_from(model, env["root"] / "nowhere")
 
 
 def test_response_labels_and_leading_correct():

@@ -78,8 +78,8 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
         elif module == "experiments.bench.train":
             Path(args[-1]).write_text("{}")
 
-    def ship(drafter_dir, results, out, record, *, name, command, extra):
-        calls.append((f"ship {name}", "ship", [str(drafter_dir), str(results), command]))
+    def ship(drafter_dir, results, out, record, *, name, command, extra, continued_from):
+        calls.append((f"ship {name}", "ship", [str(drafter_dir), str(results), command, str(continued_from)]))
         out.mkdir(parents=True, exist_ok=True)
         (out / "card.json").write_text("{}")
 
@@ -155,13 +155,29 @@ def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafter
     assert [c[0] for c in calls] == ["data"]
 
 
+def test_a_continued_long_job_starts_each_long_run_and_the_assistant_from_the_shipped_ones(tmp_path, monkeypatch):
+    calls = _fake_stages(tmp_path, monkeypatch)
+    shipped = tmp_path / "assets"
+    long_job.run_long_job(_cfg(tmp_path, f"continue_from={shipped}", "gamma=[1.0]", "curve.train_rows=[]", "bench=null"))
+    by_name = {c[0]: c[2] for c in calls}
+    assert "loss.gamma=1.0" in by_name["train long/l2r_all"]  # one γ: that one, without runs
+    for loss in ("l2r_all", "uniform"):
+        assert by_name[f"train long/{loss}"][-2] == f"drafter.init_from={shipped / f'{loss}_long'}"
+        assert by_name[f"ship {loss}_long"][3] == str(shipped / f"{loss}_long")  # the card names what it continued
+    assert f"init_from={shipped / 'ar_assistant_smollm2'}" in by_name["train ar_assistant"]
+    assert not any(a.startswith("init_from=") for a in by_name["time ar_assistant"])  # the probe only times steps
+    assert not any(n.startswith("train curve/") for n in by_name)
+
+
 def test_without_a_long_l2r_all_the_assistant_has_no_time_budget(tmp_path, monkeypatch):
     calls = _fake_stages(tmp_path, monkeypatch)
     cfg = _cfg(tmp_path, "gamma=[2.0]", "long.losses=[uniform]", "agreement_sample=0")
     long_job.run_long_job(cfg)
     names = [c[0] for c in calls]
     assert "agreement" not in names and "train ar_assistant" not in names
-    assert not any("gamma" in n for n in names)  # one candidate: nothing to choose
+    # one candidate: nothing to choose, the curves' l2r_all runs use it
+    assert [n for n in names if "gamma" in n and n.startswith("train")] == [
+        f"train curve/l2r_all-rows{r}-gamma2" for r in (738, 2500, "all")]
     assert not (tmp_path / "run" / "gamma.json").exists()
 
 

@@ -72,6 +72,24 @@ def test_a_shipped_drafter_loads_and_its_card_says_how_it_was_made(tmp_path):
         assert text in readme, text
 
 
+def test_a_continued_drafters_card_adds_up_the_earlier_training(tmp_path):
+    run, evaluation, _ = _long_run(tmp_path)
+    earlier = ship_drafter(run / "drafter", evaluation, tmp_path / "v1" / "l2r_all_long", RECORD, name="l2r_all_long",
+                           command="first")  # 20,000 steps in 9,000 s
+    out = ship_drafter(run / "drafter", evaluation, tmp_path / "v2" / "l2r_all_long", RECORD, name="l2r_all_long",
+                       command="second", continued_from=earlier)
+    card = json.loads((out / "card.json").read_text())
+    first = json.loads((earlier / "card.json").read_text())
+    assert card["training"]["continued_from"] == {
+        "name": "l2r_all_long", "weights_sha256": first["drafter"]["weights_sha256"], "steps": 20000,
+        "train_seconds": 9000.0, "total_steps": 40000, "total_train_seconds": 18000.0}
+    assert "continued from `l2r_all_long` (20,000 steps, 2.50 h" in (out / "README.md").read_text()
+    assert "40,000 steps, 5.00 h in all" in (out / "README.md").read_text()
+    third = ship_drafter(run / "drafter", evaluation, tmp_path / "v3" / "l2r_all_long", RECORD, name="l2r_all_long",
+                         command="third", continued_from=out)
+    assert json.loads((third / "card.json").read_text())["training"]["continued_from"]["total_steps"] == 60000
+
+
 def test_an_evaluation_of_other_weights_is_refused(tmp_path):
     run, evaluation, _ = _long_run(tmp_path)
     doc = json.loads(evaluation.read_text())

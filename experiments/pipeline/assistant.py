@@ -73,6 +73,30 @@ def build_assistant(target, model: dict, init_from_target: bool | str = True):
     return assistant
 
 
+#: The architecture settings a saved assistant must share with ``model:`` to be continued (:func:`continue_from`).
+ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "tie_word_embeddings")
+
+
+def continue_from(assistant, path: str | Path) -> str:
+    """Load the weights of the assistant saved at ``path`` (an export: weights and ``training.json``) into
+    ``assistant``, in float32; a different architecture is refused, naming each setting. Returns the training
+    record's ``init`` text: what it continued and how long that had trained."""
+    folder = Path(str(path)).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"init_from={path}: no saved assistant there (config.json); give an export folder of "
+                                "experiments.train_assistant, e.g. experiments/assets/ar_assistant_smollm2")
+    saved = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    ours, theirs = assistant.config.to_dict(), saved.config.to_dict()
+    diffs = [f"{k}: {theirs.get(k)} (saved) != {ours.get(k)} (model.{k})" for k in ARCH_KEYS if ours.get(k) != theirs.get(k)]
+    if diffs:
+        raise ValueError(f"init_from={path}: another architecture than model: ({'; '.join(diffs)})")
+    assistant.load_state_dict(saved.state_dict())
+    earlier = json.loads((folder / "training.json").read_text()) if (folder / "training.json").is_file() else {}
+    return (f"continued from `{folder.name}` ({earlier.get('steps', '?')} steps, "
+            f"{earlier.get('wall_time_s', '?')} s; {earlier.get('init', 'its own initialisation')})")
+
+
 def response_labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token labels of a right-padded batch (:func:`drafters.training.datamodule.collate`) and where they count.
 
@@ -236,6 +260,7 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
     datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad)
     datamodule.setup("fit")
     model = build_assistant(target, OmegaConf.to_container(cfg.model, resolve=True), cfg.init_from_target)
+    init = continue_from(model, cfg.init_from) if cfg.get("init_from") else INIT_TEXT[cfg.init_from_target]
     del target
     module = AssistantLM(model, hydra.utils.instantiate(cfg.optimizer),
                          hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
@@ -260,7 +285,7 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
         trainer.validate(module, datamodule=datamodule, verbose=False)
     logger.save()
 
-    meta = training_record(cfg, module, trainer, datamodule, overrides)
+    meta = training_record(cfg, module, trainer, datamodule, overrides) | {"init": init}
     meta["resumed_from_step"] = first_step
     meta["val_at_start"] = locks.read_json(start_file, "validation record") if start_file.is_file() else None
     export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"
@@ -285,7 +310,6 @@ def training_record(cfg: DictConfig, module: AssistantLM, trainer: L.Trainer, da
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": model.config.vocab_size,
         "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "init": INIT_TEXT[cfg.init_from_target],
         "num_draft_tokens": cfg.num_draft_tokens,
         "data_dir": cache_path(datamodule.data_dir),  # no machine paths in the card
         "data_generation": OmegaConf.to_container(cfg.data.generation, resolve=True),

@@ -135,9 +135,10 @@ class LongJob:
         return self.train(self.run_dir / "curve" / name, loss, overrides, steps)
 
     def choose_gamma(self) -> float | None:
-        """l2r_all at each candidate γ on all the answers; the best held-out τ (``gamma.json``). None: one value."""
+        """l2r_all at each candidate γ on all the answers; the best held-out τ (``gamma.json``). One value: that one,
+        without runs; none: l2r_all's configured γ (None)."""
         if len(self.cfg.gamma) < 2:
-            return None
+            return float(self.cfg.gamma[0]) if len(self.cfg.gamma) else None
         held_out = {}
         for g in self.cfg.gamma:
             summary = _read(self._curve_run("l2r_all", None, float(g)) / "train_summary.json")
@@ -159,9 +160,14 @@ class LongJob:
             for rows in self.cfg.curve.train_rows:
                 yield self._curve_run(loss, rows, self._gamma(loss))
 
+    def _continued(self, name: str) -> Path | None:
+        """``<continue_from>/<name>``: the shipped model a long run continues (None without ``continue_from``)."""
+        return Path(str(self.cfg.continue_from)) / name if self.cfg.get("continue_from") else None
+
     def _long_args(self, loss: str) -> list[str]:
-        g = self._gamma(loss)
-        return [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides]
+        g, earlier = self._gamma(loss), self._continued(f"{loss}_long")
+        return [*([f"loss.gamma={g}"] if g is not None else []), *self.cfg.long.overrides,
+                *([f"drafter.init_from={earlier}"] if earlier is not None else [])]
 
     def long(self) -> Iterator[Path]:
         """Each long run, trained as it is reached."""
@@ -176,9 +182,10 @@ class LongJob:
         if not spec or budget is None:
             return
         if not trained(run):
-            steps = self._assistant_steps(spec, budget)
+            steps, earlier = self._assistant_steps(spec, budget), self._continued(spec.ship_as)
             self._train_assistant("train ar_assistant", run, spec, [
-                f"train.max_steps={steps}", f"callbacks.train_clock.duration={{seconds:{int(budget * 1.1)}}}"])
+                f"train.max_steps={steps}", f"callbacks.train_clock.duration={{seconds:{int(budget * 1.1)}}}",
+                *([f"init_from={earlier}"] if earlier is not None else [])])
         out = Path(self.cfg.ship.dir) / spec.ship_as
         if (out / "training.json").is_file():
             return
@@ -212,7 +219,8 @@ class LongJob:
             return out
         results = self.run_dir / "eval" / run.relative_to(self.run_dir) / "drafter" / "results.json"
         command = " ".join(["python -m experiments.train", *self.science, f"loss={run.name}", *self._long_args(run.name)])
-        ship_drafter(run / "drafter", results, out, self.data_record(), name=name, command=command, extra=("dflash",))
+        ship_drafter(run / "drafter", results, out, self.data_record(), name=name, command=command, extra=("dflash",),
+                     continued_from=self._continued(name))
         if dflash:
             self.stage(f"export {name}", "experiments.export",
                        [f"drafter.path={run / 'drafter'}", f"out={out / 'dflash'}", f"results={results}",

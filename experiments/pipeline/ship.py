@@ -60,9 +60,22 @@ def _data_line(d: dict) -> str:
             f"sha256 `{d['record_sha256']}`")
 
 
-def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: str, command: str) -> dict:
+def continued(earlier_dir: Path, steps: int, seconds: float) -> dict:
+    """``training.continued_from`` of a card: the shipped drafter in ``earlier_dir`` (its card) that a run of
+    ``steps`` steps in ``seconds`` continued, and the totals of both (and of what that one continued)."""
+    earlier = _read(earlier_dir / CARD)
+    t = earlier["training"]
+    before = t.get("continued_from") or {"total_steps": t["steps"], "total_train_seconds": t["train_seconds"]}
+    return {"name": earlier["name"], "weights_sha256": earlier["drafter"]["weights_sha256"], "steps": t["steps"],
+            "train_seconds": t["train_seconds"], "total_steps": before["total_steps"] + steps,
+            "total_train_seconds": round(before["total_train_seconds"] + seconds, 1)}
+
+
+def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: str, command: str,
+                 continued_from: Path | None = None) -> dict:
     """The model card of the drafter in ``drafter_dir`` (saved by a training run: its parent) evaluated in
-    ``results``; a results.json of other weights is refused."""
+    ``results``; a results.json of other weights is refused. ``continued_from``: the shipped drafter its training
+    started from (``drafter.init_from``), whose card gives the earlier steps and time."""
     run = drafter_dir.parent
     evaluation, summary = _read(results), _read(run / "train_summary.json")
     weights = file_digest(sorted(drafter_dir.glob("*.safetensors")))
@@ -80,13 +93,21 @@ def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: s
         "training": {"loss": choices.get("loss"), "loss_settings": {k: loss[k] for k in LOSS_KEYS if k in loss},
                      "steps": summary["steps"], "train_seconds": summary["train_seconds"],
                      "threads": summary["threads"], "torch": summary["torch"], "overrides": summary["overrides"],
-                     "held_out": summary["val"]},
+                     "held_out": summary["val"],
+                     **({"continued_from": continued(continued_from, summary["steps"], summary["train_seconds"])}
+                        if continued_from is not None else {})},
         "data": {**_data(data_record), "train_rows": summary["train_rows"], "held_out_rows": summary["val_rows"]},
         "tau": _tau(evaluation),
         "evaluation": {"commit": evaluation.get("git_commit"), "settings": evaluation["settings"],
                        "prompts": {s: e[next(iter(e))]["num_prompts"] for s, e in evaluation["results"].items()}},
         "command": command,
     }
+
+
+def _continued_line(c: dict) -> str:
+    return (f"- continued from `{c['name']}` ({c['steps']:,} steps, {c['train_seconds'] / 3600:.2f} h; weights "
+            f"`{c['weights_sha256']}`) with a fresh schedule: {c['total_steps']:,} steps, "
+            f"{c['total_train_seconds'] / 3600:.2f} h in all")
 
 
 def render(card: dict) -> str:
@@ -109,6 +130,7 @@ def render(card: dict) -> str:
         f"- command: `{card['command']}`",
         (f"- {t['steps']:,} optimizer steps in {t['train_seconds'] / 3600:.2f} h on {t['threads']} CPU threads "
         f"(torch {t['torch']}); held-out τ at the end: {json.dumps(t['held_out'])}"),
+        *([_continued_line(t["continued_from"])] if "continued_from" in t else []),
         _data_line(d),
         f"- weights sha256 (blockdraft's content hash): `{dr['weights_sha256']}`",
         "",
@@ -125,11 +147,13 @@ def render(card: dict) -> str:
 
 
 def ship_drafter(drafter_dir: str | Path, results: str | Path, out: str | Path, data_record: dict, *, name: str,
-                 command: str, extra: Sequence[str] = ()) -> Path:
+                 command: str, extra: Sequence[str] = (), continued_from: Path | None = None) -> Path:
     """Copy the drafter in ``drafter_dir`` to ``out`` with its card (``card.json``, ``README.md``); returns ``out``.
-    ``extra``: names of other folders already in ``out`` that are kept (e.g. a ``dflash/`` export)."""
+    ``extra``: names of other folders already in ``out`` that are kept (e.g. a ``dflash/`` export);
+    ``continued_from``: see :func:`drafter_card`."""
     drafter_dir, out = Path(drafter_dir), Path(out)
-    card = drafter_card(drafter_dir, Path(results), data_record, name=name, command=command)
+    card = drafter_card(drafter_dir, Path(results), data_record, name=name, command=command,
+                        continued_from=continued_from)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.iterdir():
         if stale.is_file() or stale.name not in extra:
