@@ -286,13 +286,19 @@ def run_evaluation(cfg: DictConfig) -> dict:
         discard_hydra_records()  # refused before owning the run dir: its .hydra/ stays the owner's
 
 
-def _run_evaluation(cfg: DictConfig, settings: DecodingSettings) -> dict:
+def load_evaluation(cfg: DictConfig, settings: DecodingSettings) -> tuple[dict, object, object]:
+    """What an evaluation reads, after setting its threads: ``(suites, target, tokenizer)`` of ``cfg``."""
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     suites = load_suites(cfg.suite)
     check_suites(suites)
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(),
                                     cfg.target.trust_remote_code)
+    return suites, target, tokenizer
+
+
+def _run_evaluation(cfg: DictConfig, settings: DecodingSettings) -> dict:
+    suites, target, tokenizer = load_evaluation(cfg, settings)
     built = build_drafter(cfg.drafter, target)
     set_weight_layout(settings.weight_layout, target, built.drafter)
     doc = results_doc(cfg, settings, built.info, target, suites)

@@ -24,11 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import locks
 from drafters.locks import write_json_atomic
-from experiments.data.suites import Prompt, load_suites
-from experiments.data.target import load_target
+from experiments.data.suites import Prompt
 from experiments.pipeline.evaluation import (
     build_drafter,
-    check_suites,
+    load_evaluation,
     results_doc,
     resume_results,
     speculative_batch,
@@ -106,12 +105,7 @@ def run_speed(cfg: DictConfig) -> dict[str, dict]:
 
 
 def _run_speed(cfg: DictConfig, settings: DecodingSettings, run_dir: Path) -> dict[str, dict]:
-    if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
-    suites = load_suites(cfg.suite)
-    check_suites(suites)
-    target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, settings.resolved_device(),
-                                    cfg.target.trust_remote_code)
+    suites, target, tokenizer = load_evaluation(cfg, settings)
     configs = {name: drafter_run_config(cfg, name) for name in cfg.drafters}
     built = {name: build_drafter(c.drafter, target) for name, c in configs.items()}
     docs, paths = {}, {name: Path(c.results_path) for name, c in configs.items()}
