@@ -143,7 +143,7 @@ def test_modules_are_short():
     assert long == {}, f"split these by responsibility (at most {MAX_FILE_LINES} lines): {long}"
 
 
-MACHINE_PATH = re.compile(r"""(?:^|["'`\s(=])(?:~/|/(?:home|root|tmp|Users|var/folders)/)""")
+MACHINE_PATH = re.compile(r"""(?:^|["'`\s(=])(?:~/|/(?:home|root|tmp|work|Users|var/folders)/)""")
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for folder in ("results", "assets")
