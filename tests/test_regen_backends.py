@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from experiments.data.target import TINY_TARGET_DIR
 from experiments.pipeline.regen_backends import EndpointError, EndpointUnreachable, OpenAIBackend, Prompt
+from experiments.pipeline.run_folder import job
 
 MODEL = "tiny"
 GEN = OmegaConf.create({"temperature": 0.0, "top_p": None, "top_k": None, "max_new_tokens": 8, "seed": 0})
@@ -133,6 +134,19 @@ def test_unreachable_and_silent_endpoints_fail_fast(serve):
     backend.close()
     with pytest.raises(ValueError, match="data.backend.endpoint must be an http"):
         OpenAIBackend("127.0.0.1:8000", MODEL)
+
+
+def test_a_job_refuses_a_down_endpoint_in_one_line(monkeypatch):
+    """An entry point's job (``experiments.regenerate``'s) exits with the endpoint's one-line message, no traceback."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit) as info, job():
+        opened(f"http://127.0.0.1:{port}/v1")
+    message = str(info.value.code)
+    assert message.startswith(f"error: data.backend.endpoint=http://127.0.0.1:{port}/v1: GET /models failed")
+    assert "\n" not in message and "Traceback" not in message
 
 
 def test_retries_after_503_with_backoff(serve, monkeypatch):

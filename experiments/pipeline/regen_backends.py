@@ -57,8 +57,9 @@ from experiments.data.target import eos_token_ids, load_target
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-class EndpointError(RuntimeError):
-    """The serving endpoint answers an error or malformed JSON, or serves another model."""
+class EndpointError(ConnectionError):
+    """The serving endpoint answers an error or malformed JSON, or serves another model (a job refuses it in one
+    line, :data:`experiments.pipeline.run_folder.REFUSALS`)."""
 
 
 class EndpointUnreachable(EndpointError):

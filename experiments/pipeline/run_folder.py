@@ -149,8 +149,9 @@ def _remove_if_ours_and_empty() -> None:
             Path(folder).rmdir()
 
 
-# What a job refuses with (bad settings or input, a busy or damaged folder): one line, not a traceback.
-REFUSALS = (ValueError, KeyError, FileNotFoundError, PermissionError, TimeoutError, FolderBusyError)
+# What a job refuses with (bad settings or input, a busy or damaged folder, a serving endpoint that is down or
+# answers wrongly): one line, not a traceback.
+REFUSALS = (ValueError, KeyError, FileNotFoundError, PermissionError, TimeoutError, ConnectionError, FolderBusyError)
 # Loggers that do not propagate to the root logger (their own terminal handler) but belong in the job log.
 OWN_HANDLER_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 
