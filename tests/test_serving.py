@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.tau import greedy_walk
-from experiments.serving.check import load_drafter, served_width
+from experiments.serving.check import load_drafter, served_width, step_costs
 from experiments.serving.compare import (
     engine_walk,
     position_counts,
@@ -26,6 +26,7 @@ from experiments.serving.compare import (
     summary,
 )
 from experiments.serving.engine import ServingError, run_engine, run_engines, turn_order, vllm_python
+from experiments.serving.report import step_cost_table
 from verify.generate import speculative_generate
 
 pytestmark = pytest.mark.serving
@@ -202,3 +203,23 @@ def test_lookahead_verifies_the_last_step_past_the_cut_as_the_engine_counts_it()
     without = sequence_acceptance(drafter, target, prompts, cut)
     assert without["engine_steps_accepted"] == [3, 3, 2] * 2  # only 2 columns of the block exist past col 9
     assert without["blockdraft"] == with_lookahead["blockdraft"]  # blockdraft's own walk stops at the cut
+
+
+def test_step_cost_is_the_drafter_engines_ms_per_step_over_the_targets_ms_per_token():
+    def phase(name, c, wall, tokens, drafts=0, accepted=0):
+        spec = {"num_drafts": drafts, "num_accepted_tokens": accepted} if drafts else {}
+        return {"name": f"{name}/c{c}", "concurrency": c, "wall_s": wall, "num_tokens": tokens, "spec": spec}
+
+    results = {"target": {"phases": [phase("a", 1, 2.0, 100), phase("a", 8, 1.0, 100), phase("b", 1, 1.0, 50)]},
+               "drafter": {"phases": [phase("a", 1, 1.5, 100, drafts=60, accepted=40), phase("a", 8, 1.0, 100, 60, 40),
+                                      phase("b", 1, 1.0, 50)]}}  # b: no drafts counted, no cost
+    costs = step_costs(results)
+    assert list(costs) == ["a"]
+    assert costs["a"]["target_ms_per_token"] == pytest.approx(20.0)
+    assert costs["a"]["drafter_ms_per_step"] == pytest.approx(25.0)
+    assert costs["a"]["step_cost"] == pytest.approx(1.25)
+    assert costs["a"]["acceptance_length"] == pytest.approx(100 / 60)
+    assert step_costs({"target": results["target"]}) == {}
+    lines = step_cost_table({"step_cost": costs})
+    assert lines[2] == "| a | 20.0 | 25.0 | 1.25 | 1.667 |"
+    assert step_cost_table({}) == []

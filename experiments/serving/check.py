@@ -153,6 +153,25 @@ def speeds(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     return {n: {c: tok / wall for c, (tok, wall) in row.items()} for n, row in table.items()}
 
 
+def step_costs(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per suite at concurrency 1, the cost model of serving the drafter: the target alone's ms per token, the drafter
+    engine's ms per verification step (its wall time over its drafts, prefill included), their ratio (the acceptance
+    length the drafter needs to break even) and vLLM's acceptance length."""
+    if "target" not in results or "drafter" not in results:
+        return {}
+    target = {p["name"]: p for p in results["target"]["phases"] if p["concurrency"] == 1}
+    costs = {}
+    for phase in results["drafter"]["phases"]:
+        alone, steps = target.get(phase["name"]), phase["spec"].get("num_drafts", 0)
+        if phase["concurrency"] != 1 or alone is None or not steps or not alone["num_tokens"]:
+            continue
+        per_token, per_step = 1e3 * alone["wall_s"] / alone["num_tokens"], 1e3 * phase["wall_s"] / steps
+        costs[phase["name"].split("/")[0]] = {
+            "target_ms_per_token": per_token, "drafter_ms_per_step": per_step, "step_cost": per_step / per_token,
+            "acceptance_length": 1 + phase["spec"].get("num_accepted_tokens", 0) / steps}
+    return costs
+
+
 def _portable(path) -> str | None:
     """A path as a committed record names it: repository-, $BLOCKDRAFT_RUNS- or $BLOCKDRAFT_CACHE-relative, else
     its last three parts (no machine's folders)."""
@@ -199,7 +218,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
            "num_prompts": {s: len(p) for s, p in suites.items()}, "speed_tokens_per_s": speeds(results),
            "speed_by_phase": {n: {p["name"]: p["num_tokens"] / p["wall_s"] for p in r["phases"]}
                               for n, r in results.items()},
-           "outputs_identical": _identical_outputs(results), "acceptance": {},
+           "step_cost": step_costs(results), "outputs_identical": _identical_outputs(results), "acceptance": {},
            "engine_start_s": {n: r["startup_s"] for n, r in results.items()}}
     if "drafter" in results:
         for phase in results["drafter"]["phases"]:

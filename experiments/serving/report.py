@@ -45,12 +45,25 @@ def speed_table(doc: dict) -> list[str]:
     return lines
 
 
+def step_cost_table(doc: dict) -> list[str]:
+    """Per suite, what a verification step with the drafter costs against a token of the target alone (one request):
+    the drafter is faster where its acceptance length exceeds that ratio."""
+    lines = ["| suite | target alone, ms/token | with the drafter, ms/step | step cost (× target) | acceptance length |",
+             "|---|---|---|---|---|"]
+    for suite, row in doc.get("step_cost", {}).items():
+        lines.append(f"| {suite} | {_fmt(row['target_ms_per_token'], 1)} | {_fmt(row['drafter_ms_per_step'], 1)} | "
+                     f"{_fmt(row['step_cost'], 2)} | {_fmt(row['acceptance_length'])} |")
+    return lines if len(lines) > 2 else []
+
+
 def tables(doc: dict) -> str:
-    """Markdown: acceptance per suite, per position, and speed (ratios to the target alone)."""
+    """Markdown: acceptance per suite, per position, speed (ratios to the target alone) and the step cost."""
     parts = [f"vLLM {doc['vllm_version']}, T=0; outputs identical across engines: {doc['outputs_identical']}", ""]
     if doc["acceptance"]:
         parts += acceptance_table(doc) + [""] + position_table(doc) + [""]
     parts += speed_table(doc)
+    if step_cost_table(doc):
+        parts += [""] + step_cost_table(doc)
     return "\n".join(parts) + "\n"
 
 
