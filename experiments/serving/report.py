@@ -62,8 +62,9 @@ def tables(doc: dict) -> str:
     if doc["acceptance"]:
         parts += acceptance_table(doc) + [""] + position_table(doc) + [""]
     parts += speed_table(doc)
-    if step_cost_table(doc):
-        parts += [""] + step_cost_table(doc)
+    costs = step_cost_table(doc)
+    if costs:
+        parts += [""] + costs
     return "\n".join(parts) + "\n"
 
 
