@@ -169,6 +169,39 @@ def test_a_continued_long_job_starts_each_long_run_and_the_assistant_from_the_sh
     assert not any(n.startswith("train curve/") for n in by_name)
 
 
+def _compose(config: str, *overrides: str):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config, overrides=list(overrides))
+
+
+def test_long_continue_trains_the_shipped_drafters_further_without_an_engine(tmp_path, monkeypatch):
+    """`--config-name long_continue` on a new machine: the answers installed from the asset (no vLLM, no agreement
+    run), the chosen γ without its runs, no curves or benchmark; each run starts from experiments/assets."""
+    from experiments.data.target import asset_path
+
+    calls = _fake_stages(tmp_path, monkeypatch)
+    cfg = _compose("long_continue", f"paths.run_dir={tmp_path / 'run'}", f"export_answers={tmp_path / 'answers'}")
+    long_job.run_long_job(cfg)
+    by_name = {c[0]: c[2] for c in calls}
+    assert list(by_name)[:3] == ["data", "export", "train long/l2r_all"]
+    assert "data=sharegpt_answers" in by_name["data"] and "data=sharegpt_answers" in by_name["export"]
+    chosen = json.loads(Path("experiments/results/long/gamma.json").read_text())["chosen"]
+    assert f"loss.gamma={chosen}" in by_name["train long/l2r_all"]  # the γ the long job chose on held-out answers
+    for loss in ("l2r_all", "uniform"):
+        assert f"drafter.init_from={asset_path(f'{loss}_long')}" in by_name[f"train long/{loss}"]
+    assert f"init_from={asset_path('ar_assistant_smollm2')}" in by_name["train ar_assistant"]
+    assert not any(n.startswith("train curve/") for n in by_name)
+
+
+def test_the_recorded_answers_fill_the_data_folder_the_regeneration_would():
+    """data=sharegpt_answers and data=sharegpt_mix name the same data folder (what made the answers, not how they
+    arrive), so a training with the long experiment finds the installed answers instead of regenerating them."""
+    made, recorded = (_compose("regenerate", "experiment=smollm2_long", *extra).data
+                      for extra in ((), ("data=sharegpt_answers",)))
+    assert recorded.backend._target_ != made.backend._target_
+    assert recorded.generation == made.generation
+
+
 def test_without_a_long_l2r_all_the_assistant_has_no_time_budget(tmp_path, monkeypatch):
     calls = _fake_stages(tmp_path, monkeypatch)
     cfg = _cfg(tmp_path, "gamma=[2.0]", "long.losses=[uniform]", "agreement_sample=0")
