@@ -94,10 +94,14 @@ def _fake_stages(tmp_path, monkeypatch) -> list[tuple[str, str, list[str]]]:
     return calls
 
 
-def _cfg(tmp_path, *overrides):
+def _compose(config: str, *overrides: str):
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose("long", overrides=[f"paths.run_dir={tmp_path / 'run'}",
-                                          f"export_answers={tmp_path / 'run' / 'answers'}", *overrides])
+        return compose(config, overrides=list(overrides))
+
+
+def _cfg(tmp_path, *overrides):
+    return _compose("long", f"paths.run_dir={tmp_path / 'run'}", f"export_answers={tmp_path / 'run' / 'answers'}",
+                    *overrides)
 
 
 def test_the_long_job_chooses_gamma_held_out_and_gives_the_assistant_the_drafters_time(tmp_path, monkeypatch):
@@ -167,11 +171,6 @@ def test_a_continued_long_job_starts_each_long_run_and_the_assistant_from_the_sh
     assert f"init_from={shipped / 'ar_assistant_smollm2'}" in by_name["train ar_assistant"]
     assert not any(a.startswith("init_from=") for a in by_name["time ar_assistant"])  # the probe only times steps
     assert not any(n.startswith("train curve/") for n in by_name)
-
-
-def _compose(config: str, *overrides: str):
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose(config, overrides=list(overrides))
 
 
 def test_long_continue_trains_the_shipped_drafters_further_without_an_engine(tmp_path, monkeypatch):
