@@ -40,8 +40,8 @@ from drafters.config import (
     target_sizes,
 )
 from drafters.dflash import dflash_settings, load_dflash
-from drafters.locks import check_safetensors, read_json
 from drafters.model import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, Variant, check_variants, saved_config
+from drafters.storage import check_safetensors, read_json
 from drafters.variants import REGISTRY, make_variants
 
 CORE_FIELDS = frozenset(f.name for f in dataclasses.fields(DrafterConfig)) - {"target_fingerprint"}

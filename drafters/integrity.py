@@ -22,14 +22,13 @@ The sha256 is that of the whole file (``sha256sum model.safetensors`` gives the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from drafters.locks import DamagedFileError, read_json, write_json_atomic
+from drafters.storage import DamagedFileError, read_json, sha256_file, write_json_atomic
 
 RECORD_NAME = "blockdraft_record.json"
 OVERRIDE = "drafter.allow_edited_settings=true"  # the one setting that accepts edited settings
@@ -38,15 +37,6 @@ ABSENT = "absent"  # how a setting missing on one side is shown
 
 class ChangedDrafterError(ValueError):
     """A saved drafter's weights or settings are not those recorded when it was saved."""
-
-
-def sha256_file(path: str | Path) -> str:
-    """The hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_record(directory: str | Path, settings: Mapping[str, Any], files: Sequence[str]) -> None:
@@ -143,4 +133,4 @@ def check_saved_record(directory: str | Path, config_name: str, settings: Mappin
 
 
 __all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "ChangedDrafterError", "check_saved_record", "edited_settings",
-           "read_record", "sha256_file", "write_record"]
+           "read_record", "write_record"]

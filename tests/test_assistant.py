@@ -154,7 +154,7 @@ def test_replayed_tau_is_the_online_tau(env):
 
 
 def test_damaged_checkpoint_is_named(env, monkeypatch):
-    from drafters.locks import DamagedFileError
+    from drafters.storage import DamagedFileError
 
     monkeypatch.setenv("BLOCKDRAFT_RUNS", str(env["root"] / "runs"))
     run_dir = env["root"] / "runs" / "damaged"

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from drafters import factory
 from drafters.dflash import export_dflash
-from drafters.integrity import RECORD_NAME, ChangedDrafterError, sha256_file
+from drafters.integrity import RECORD_NAME, ChangedDrafterError
+from drafters.storage import sha256_file
 from experiments.pipeline.eval_drafters import block_drafter, drafter_config
 from experiments.pipeline.export import export_for_serving
 

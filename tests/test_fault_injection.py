@@ -19,7 +19,7 @@ from test_train import offline_env, run_main, save_target
 
 import experiments.pipeline.evaluation as ev
 import experiments.pipeline.training as tr
-from drafters.locks import file_digest
+from drafters.storage import file_digest
 from drafters.training import datamodule as regen
 from experiments import regenerate, train
 from experiments.pipeline.records import TIMING_KEYS

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 from test_train import offline_env, run_main, save_target
 
-from drafters import locks
+from drafters import locks, storage
 from drafters.training.datamodule import load_regenerated
 from experiments import regenerate, train
 
@@ -174,7 +174,7 @@ def test_damaged_checkpoint_is_named_and_nothing_is_touched(env):
     last.write_bytes(b"garbage, not a checkpoint")
     before = sorted(p.name for p in (run_dir / "logs").iterdir())
     for _ in range(2):
-        with pytest.raises(locks.DamagedFileError, match=f"checkpoint {last} cannot be read") as info:
+        with pytest.raises(storage.DamagedFileError, match=f"checkpoint {last} cannot be read") as info:
             run_main(train, [*env["base"], "name=damaged", "train.max_steps=3"])
         assert "weights_only" not in str(info.value)
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == before and "metrics.csv" in before
@@ -195,18 +195,18 @@ def test_damaged_drafter_and_target_files_are_named(env, tmp_path):
     shutil.copytree(env["runs"] / "files" / "drafter", drafter)
     text = (drafter / "config.json").read_text()
     (drafter / "config.json").write_text(text[: len(text) // 2])
-    with pytest.raises(locks.DamagedFileError, match=f"drafter config {drafter / 'config.json'} is damaged"):
+    with pytest.raises(storage.DamagedFileError, match=f"drafter config {drafter / 'config.json'} is damaged"):
         block_drafter(target, str(drafter))
     (drafter / "config.json").write_text(text)
     weights = drafter / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    with pytest.raises(locks.DamagedFileError, match=f"weights file {weights} is damaged"):
+    with pytest.raises(storage.DamagedFileError, match=f"weights file {weights} is damaged"):
         block_drafter(target, str(drafter))
     broken = tmp_path / "target"
     shutil.copytree(env["target"], broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(locks.DamagedFileError, match=f"weights file {weights} is damaged"):
+    with pytest.raises(storage.DamagedFileError, match=f"weights file {weights} is damaged"):
         load_target(str(broken))
 
 
@@ -214,7 +214,7 @@ def test_damaged_drafter_and_target_files_are_named(env, tmp_path):
 
 
 def test_evaluation_is_redone_when_the_drafter_changed(env):
-    from drafters.locks import file_digest
+    from drafters.storage import file_digest
 
     args = [*env["base"], "name=evr", "evaluate.enabled=true", "suite=humaneval", "suite.humaneval.limit=2",
             "evaluate.temperatures=[0.0]", "evaluate.max_new_tokens=8", "evaluate.num_bootstrap=10",

@@ -12,7 +12,7 @@ from conftest import tiny_qwen3
 from omegaconf import OmegaConf
 
 from drafters import factory
-from drafters.locks import file_digest
+from drafters.storage import file_digest
 from experiments.pipeline.export import export_for_serving
 from experiments.pipeline.ship import ship_assistant, ship_drafter
 

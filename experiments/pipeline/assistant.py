@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from drafters import locks
+from drafters import locks, storage
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import read_meta
 from experiments.data.target import load_target
@@ -267,8 +267,8 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
                          num_draft_tokens=cfg.num_draft_tokens)
 
     last = run_dir / "checkpoints" / "last.ckpt"
-    # checked before anything changes: a damaged file is named (drafters.locks.DamagedFileError)
-    first_step = int(locks.read_checkpoint(last, ("global_step",))["global_step"]) if last.is_file() else None
+    # checked before anything changes: a damaged file is named (drafters.storage.DamagedFileError)
+    first_step = int(storage.read_checkpoint(last, ("global_step",))["global_step"]) if last.is_file() else None
     logger = hydra.utils.instantiate(cfg.logger)
     if first_step is not None:
         _keep_earlier_csv(logger, first_step)
@@ -287,7 +287,7 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
 
     meta = training_record(cfg, module, trainer, datamodule, overrides) | {"init": init}
     meta["resumed_from_step"] = first_step
-    meta["val_at_start"] = locks.read_json(start_file, "validation record") if start_file.is_file() else None
+    meta["val_at_start"] = storage.read_json(start_file, "validation record") if start_file.is_file() else None
     export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"
     export_assistant(model, str(cfg.target.path), export_dir, cfg.export_dtype, meta)
     (run_dir / "train_summary.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -31,9 +31,9 @@ from drafters.checks import TargetMismatchError
 from drafters.factory import with_variant, without_variant
 from drafters.hints import HintStore
 from drafters.integrity import ChangedDrafterError
-from drafters.locks import DamagedFileError, check_safetensors, file_digest
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
+from drafters.storage import DamagedFileError, check_safetensors, file_digest
 from drafters.training.datamodule import load_regenerated
 from drafters.training.vocab import frequent_tokens
 from experiments.pipeline.recorded_answers import RECORD, load_answers

@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import locks
-from drafters.locks import read_json, write_json_atomic
+from drafters.storage import read_json, write_json_atomic
 from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, load_suites
 from experiments.data.target import load_target

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from drafters.locks import read_json, write_json_atomic
+from drafters.storage import read_json, write_json_atomic
 from drafters.training import datamodule as regen
 from experiments.data import sharegpt
 from experiments.data.suites import sha256_file

@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.locks import read_json
+from drafters.storage import read_json
 from experiments.data.hashing import stable_seed
 from experiments.data.prompts import left_pad
 from experiments.data.target import eos_token_ids, load_target

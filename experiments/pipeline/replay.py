@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from drafters.checks import target_weights_sha1
-from drafters.locks import write_json_atomic
 from drafters.policy import DraftingPolicy, PolicyDrafter
+from drafters.storage import write_json_atomic
 from drafters.tau import anchor_acceptance, greedy_walk
 from drafters.training.blocks import run_target
 from drafters.training.datamodule import collate

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters.locks import file_digest
+from drafters.storage import file_digest
 from experiments.pipeline.export import LOSS_KEYS, tau_table, trained_settings
 
 CARD = "card.json"

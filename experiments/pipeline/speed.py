@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import locks
-from drafters.locks import write_json_atomic
+from drafters.storage import write_json_atomic
 from experiments.data.suites import Prompt
 from experiments.pipeline.evaluation import (
     build_drafter,

@@ -38,7 +38,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import locks
+from drafters import locks, storage
 from drafters.factory import read_saved_config
 from drafters.hints import HintStore
 from drafters.model import DFlashDrafter, target_fingerprint
@@ -70,7 +70,7 @@ def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
 def export_drafter(checkpoint: Path, out_dir: Path, hint_store=None) -> None:
     """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it, with the
     training run's ``hint_store`` (:class:`drafters.hints.HintStore`) if it drafts with one."""
-    ckpt = locks.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
+    ckpt = storage.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     config, variants = read_saved_config(ckpt["drafter_config"], f"{checkpoint} (drafter_config)")
     drafter = DFlashDrafter(config, variants)
@@ -193,7 +193,7 @@ def check_resume_settings(run_dir: Path, cfg: DictConfig) -> None:
     path = run_dir / FINGERPRINT
     if not path.is_file():
         return  # a run from before fingerprints: accepted, and fingerprinted now
-    saved = locks.read_json(path, "run settings")
+    saved = storage.read_json(path, "run settings")
     old, new = _not_free(saved.get("settings", {})), run_fingerprint(cfg)  # saved before a key was freed: freed
     choices = {k: (v, _choices().get(k)) for k, v in (saved.get("choices") or {}).items() if v != _choices().get(k)}
     diffs = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
@@ -235,7 +235,7 @@ def _resume_step(cfg: DictConfig, run_dir: Path) -> int | None:
     if not last.exists():
         return None
     check_resume_settings(run_dir, cfg)
-    return int(locks.read_checkpoint(last)["global_step"])
+    return int(storage.read_checkpoint(last)["global_step"])
 
 
 def _fit(cfg: DictConfig, run_dir: Path, module, datamodule, saved: int | None) -> tuple[L.Trainer, float]:
@@ -297,7 +297,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
     if _rank_zero():
         commit_hydra_records(run_dir)
-        locks.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
+        storage.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
         return {}

@@ -1,0 +1,110 @@
+"""Files checked before they are trusted, and written so that a killed job never leaves half of one.
+
+:func:`read_json`, :func:`check_safetensors` and :func:`read_checkpoint` raise :class:`DamagedFileError` naming the
+file (never advising to load it unsafely); :func:`write_json_atomic` renames a finished file into place;
+:func:`sha256_file` and :func:`file_digest` are the content hashes that records and model cards carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+class DamagedFileError(ValueError):
+    """A file exists but cannot be read as what it should be (truncated, garbage)."""
+
+
+def read_json(path: str | Path, what: str = "JSON file") -> dict:
+    """``json.loads`` of a file, or :class:`DamagedFileError` naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedFileError(f"{what} {path} is damaged (not valid JSON: {e}); restore or re-create it") from e
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Refuse a truncated or garbage ``.safetensors`` file (header and sizes checked, not the values)."""
+    path = Path(path)
+    size = path.stat().st_size
+    reason = None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                reason = f"{size} bytes, shorter than the header"
+            else:
+                n = struct.unpack("<Q", head)[0]
+                if n > size - 8:
+                    reason = f"the header claims {n} bytes, the file has {size}"
+                else:
+                    header = json.loads(f.read(n))
+                    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                              default=0)
+                    if 8 + n + end > size:
+                        reason = f"the tensors need {8 + n + end} bytes, the file has {size} (truncated)"
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        reason = f"unreadable header ({type(e).__name__})"
+    if reason:
+        raise DamagedFileError(f"weights file {path} is damaged: {reason}; restore or re-create it")
+
+
+def read_checkpoint(path: str | Path, required: Sequence[str] = ("state_dict", "global_step")) -> dict:
+    """A Lightning checkpoint loaded with ``weights_only=True``, or :class:`DamagedFileError` naming it."""
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError,
+            AttributeError, ImportError, KeyError, IndexError) as e:
+        raise DamagedFileError(f"checkpoint {path} cannot be read ({type(e).__name__}): the file is damaged "
+                               f"(e.g. written by a job killed mid-save). Move it away to start the run over, "
+                               f"or restore it; nothing in the run was changed") from None
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise DamagedFileError(f"checkpoint {path} lacks {missing}: not a checkpoint of this trainer, or "
+                               "damaged; move it away to start the run over")
+    return ckpt
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write ``obj`` as JSON to a temporary file beside ``path``, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def file_digest(paths: Sequence[str | Path]) -> str:
+    """sha256 over the names and bytes of ``paths`` (the content hash of a model's weights)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(p) for p in paths):
+        h.update(p.name.encode() + b"\0")
+        _hash_bytes(h, p)
+    return h.hexdigest()
+
+
+def _hash_bytes(h, path: str | Path) -> None:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes (``sha256sum`` gives the same)."""
+    h = hashlib.sha256()
+    _hash_bytes(h, path)
+    return h.hexdigest()
+
+
+__all__ = ["DamagedFileError", "check_safetensors", "file_digest", "read_checkpoint", "read_json", "sha256_file",
+           "write_json_atomic"]
