@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from drafters import locks
-from experiments.data.suites import cache_dir, sha256_file
+from drafters.storage import sha256_file
+from experiments.data.suites import cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct"

@@ -28,10 +28,9 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from drafters.storage import read_json, write_json_atomic
+from drafters.storage import read_json, sha256_file, write_json_atomic
 from drafters.training import datamodule as regen
 from experiments.data import sharegpt
-from experiments.data.suites import sha256_file
 from experiments.data.target import eos_token_ids
 from experiments.pipeline.paths import REPO, portable_path
 from experiments.pipeline.regen_backends import Answer, InProcessBackend, Prompt, load_target_files
