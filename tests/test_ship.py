@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from drafters import factory
 from drafters.storage import file_digest
 from experiments.pipeline.export import export_for_serving
+from experiments.pipeline.paths import REPO
 from experiments.pipeline.ship import ship_assistant, ship_drafter
 
 pytestmark = pytest.mark.filterwarnings("ignore:target_layer_ids .* the target's last hidden state")
@@ -88,6 +89,25 @@ def test_a_continued_drafters_card_adds_up_the_earlier_training(tmp_path):
     third = ship_drafter(run / "drafter", evaluation, tmp_path / "v3" / "l2r_all_long", RECORD, name="l2r_all_long",
                          command="third", continued_from=out)
     assert json.loads((third / "card.json").read_text())["training"]["continued_from"]["total_steps"] == 60000
+
+
+def test_a_cards_command_and_overrides_name_no_machine_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "cache" / "regen" / "smollm2" / "abc"
+    data.mkdir(parents=True)
+    run, evaluation, _ = _long_run(tmp_path)
+    earlier = REPO / "experiments" / "assets" / "l2r_all_long"  # the shipped drafter a continuation starts from
+    summary = json.loads((run / "train_summary.json").read_text())
+    summary["overrides"] += [f"drafter.init_from={earlier}", f"data.data_dir={data}"]
+    (run / "train_summary.json").write_text(json.dumps(summary))
+    out = ship_drafter(run / "drafter", evaluation, tmp_path / "out", RECORD, name="l2r_all_long",
+                       command=f"python -m experiments.train loss=l2r_all drafter.init_from={earlier}")
+    card = json.loads((out / "card.json").read_text())
+    assert card["training"]["overrides"] == ["loss=l2r_all", "loss.gamma=2.0",
+                                             "drafter.init_from=experiments/assets/l2r_all_long",
+                                             "data.data_dir=$BLOCKDRAFT_CACHE/regen/smollm2/abc"]
+    assert card["command"] == "python -m experiments.train loss=l2r_all drafter.init_from=experiments/assets/l2r_all_long"
+    assert str(REPO) not in (out / "README.md").read_text() and str(tmp_path) not in (out / "card.json").read_text()
 
 
 def test_an_evaluation_of_other_weights_is_refused(tmp_path):

@@ -12,6 +12,9 @@ card, ``card.json`` to read by program and ``README.md`` to read by eye:
   ``results.json``, whose weights hash must match), with the evaluation's commit and settings;
 * ``command``: what trained it.
 
+The paths in the overrides and the command are written as committed records write them (relative to the repository,
+``$BLOCKDRAFT_CACHE/...``: :func:`experiments.pipeline.paths.portable_override`), so a card carries no machine's folders.
+
 The ar_assistant trained beside them (:func:`ship_assistant`) is its export folder (``experiments.train_assistant``:
 weights, tokenizer, ``training.json``, ``README.md``) with the data's sha256 and the commit added to both.
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 from drafters.storage import file_digest
 from experiments.pipeline.export import LOSS_KEYS, tau_table, trained_settings
+from experiments.pipeline.paths import portable_override
 
 CARD = "card.json"
 
@@ -92,7 +96,8 @@ def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: s
                     "settings": _read(drafter_dir / "blockdraft_record.json")["settings"]},
         "training": {"loss": choices.get("loss"), "loss_settings": {k: loss[k] for k in LOSS_KEYS if k in loss},
                      "steps": summary["steps"], "train_seconds": summary["train_seconds"],
-                     "threads": summary["threads"], "torch": summary["torch"], "overrides": summary["overrides"],
+                     "threads": summary["threads"], "torch": summary["torch"],
+                     "overrides": [portable_override(o) for o in summary["overrides"]],
                      "held_out": summary["val"],
                      **({"continued_from": continued(continued_from, summary["steps"], summary["train_seconds"])}
                         if continued_from is not None else {})},
@@ -100,7 +105,7 @@ def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: s
         "tau": _tau(evaluation),
         "evaluation": {"commit": evaluation.get("git_commit"), "settings": evaluation["settings"],
                        "prompts": {s: e[next(iter(e))]["num_prompts"] for s, e in evaluation["results"].items()}},
-        "command": command,
+        "command": portable_override(command),
     }
 
 
