@@ -8,12 +8,15 @@ helpers they share."""
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 from collections.abc import Iterable
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.pipeline.settings import DecodingSettings
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -52,12 +55,6 @@ def evaluation_config(overrides: Iterable[str]):
     """``(cfg, settings)``: ``conf/evaluate.yaml`` composed with ``overrides`` as ``experiments.evaluate`` composes
     it, and its :class:`experiments.pipeline.settings.DecodingSettings` (only the settings' keys are read: the rest
     of a composed, not run, config holds ``${hydra:...}`` it cannot resolve)."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from experiments.pipeline.settings import DecodingSettings
-
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="evaluate", overrides=list(overrides))
     fields = [f.name for f in dataclasses.fields(DecodingSettings)]

@@ -35,8 +35,14 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from drafters import factory
+from drafters.training.blocks import select_blocks
+from drafters.training.module import DrafterLightningModule
+from drafters.training.optim import warmup_cosine
 from experiments.bench import peak_rss_mb, reset_peak_rss
+from losses import AcceptanceAlignedLoss
 from verify.hf import cache_argument
 
 # Real sizes (the models' config.json), random weights.
@@ -71,8 +77,6 @@ def make_batch(seq_len: int, prompt_len: int, vocab: int, device: str) -> dict:
 
 def build_target(shape: str, device: str, dtype: torch.dtype):
     """A random ``Qwen3ForCausalLM`` of ``SHAPES[shape]`` on ``device`` in ``dtype``, frozen."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     config = Qwen3Config(**SHAPES[shape], attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
@@ -139,10 +143,6 @@ def bench_prefill(target, drafter, batch, device: str):
 
 
 def _module(target, drafter, args):
-    from drafters.training.module import DrafterLightningModule
-    from drafters.training.optim import warmup_cosine
-    from losses import AcceptanceAlignedLoss
-
     return DrafterLightningModule(
         drafter, target, AcceptanceAlignedLoss(), functools.partial(torch.optim.AdamW, lr=6e-4, weight_decay=0.0),
         functools.partial(warmup_cosine, warmup_steps=10, max_steps=1000), num_anchors=args.num_anchors,
@@ -151,8 +151,6 @@ def _module(target, drafter, args):
 
 def bench_train(target, drafter, batch, args, steps: int) -> dict:
     """``steps`` drafter training steps (the module's step: context, blocks, loss, backward, AdamW)."""
-    from drafters.training.blocks import select_blocks
-
     module = _module(target, drafter, args)
     optimizer = module.configure_optimizers()["optimizer"]
     mixed = args.device.startswith("cuda") and args.dtype != "float32"
@@ -250,8 +248,6 @@ def machine(args) -> dict:
 
 
 def run(args, argv=None) -> dict:
-    from drafters import factory
-
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     target = build_target(args.shape, args.device, dtype)
