@@ -26,7 +26,9 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+import datasets
 import lightning as L
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -52,10 +54,6 @@ def shard_dirs(data_dir: str | Path) -> list[Path]:
 
 def write_shard(rows: Sequence[dict], data_dir: str | Path) -> Path:
     """Save ``rows`` (dicts with :data:`COLUMNS`) as the next shard, atomically; returns its folder."""
-    from datasets import Dataset as HFDataset
-    from datasets import Features, Value
-    from datasets import Sequence as HFSequence
-
     missing = [c for c in COLUMNS if rows and c not in rows[0]]
     if missing:
         raise ValueError(f"shard rows lack columns {missing}; expected {list(COLUMNS)}")
@@ -64,12 +62,13 @@ def write_shard(rows: Sequence[dict], data_dir: str | Path) -> Path:
     existing = shard_dirs(data_dir)
     index = int(existing[-1].name.split("-")[1]) + 1 if existing else 0
     final, tmp = root / f"shard-{index:05d}", root / f".tmp-shard-{index:05d}-{os.getpid()}"
-    features = Features({"id": Value("string"), "domain": Value("string"),
-                         "input_ids": HFSequence(Value("int32")), "prompt_len": Value("int32")})
+    string, int32 = datasets.Value("string"), datasets.Value("int32")
+    features = datasets.Features({"id": string, "domain": string, "input_ids": datasets.Sequence(int32),
+                                  "prompt_len": int32})
     columns = {c: [r[c] for r in rows] for c in COLUMNS}
     if tmp.exists():
         shutil.rmtree(tmp)
-    HFDataset.from_dict(columns, features=features).save_to_disk(str(tmp))
+    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
     os.replace(tmp, final)
     return final
 
@@ -90,8 +89,6 @@ def write_meta(data_dir: str | Path, meta: dict) -> None:
 
 def load_regenerated(data_dir: str | Path, warn_incomplete: bool = True):
     """All shards of a data dir as one ``datasets.Dataset``; a clear error if there are none."""
-    from datasets import concatenate_datasets, load_from_disk
-
     data_dir = Path(data_dir).expanduser()
     shards = shard_dirs(data_dir)
     if not shards:
@@ -99,7 +96,7 @@ def load_regenerated(data_dir: str | Path, warn_incomplete: bool = True):
             f"regenerated dataset at {data_dir} is empty (no shards): run `python -m experiments.regenerate` "
             "with the same target and data settings first"
         )
-    data = concatenate_datasets([load_from_disk(str(s)) for s in shards])
+    data = datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
     missing = [c for c in COLUMNS if c not in data.column_names]
     if missing:
         raise ValueError(f"regenerated dataset at {data_dir} lacks columns {missing}; has {data.column_names}")
@@ -113,9 +110,7 @@ def load_regenerated(data_dir: str | Path, warn_incomplete: bool = True):
 
 def finished_ids(data_dir: str | Path) -> set[str]:
     """Ids already regenerated (for resuming a killed job)."""
-    from datasets import load_from_disk
-
-    return {i for s in shard_dirs(data_dir) for i in load_from_disk(str(s))["id"]}
+    return {i for s in shard_dirs(data_dir) for i in datasets.load_from_disk(str(s))["id"]}
 
 
 def id_hash(row_id: str) -> float:
@@ -146,8 +141,6 @@ class RegenDataset(Dataset):
 
     def __init__(self, data, indices: Sequence[int] | None = None, max_length: int | None = None,
                  features: dict | None = None):
-        import pyarrow.compute as pc
-
         indices = range(len(data)) if indices is None else indices
         prompt_lens = data.data.column("prompt_len").to_pylist()
         lengths = pc.list_value_length(data.data.column("input_ids")).to_pylist()
