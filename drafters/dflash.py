@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import Qwen3Config
 
 from drafters.config import DrafterConfig, target_fingerprint
 from drafters.integrity import write_record
@@ -310,8 +311,6 @@ def dflash_drafter_config(raw: dict[str, Any], target_config: Any, directory: Pa
     The JSON is read through transformers' ``Qwen3Config``, as the reference reads it (so derived
     fields such as ``layer_types`` and ``head_dim`` get the same defaults).
     """
-    from transformers import Qwen3Config
-
     _check_dflash_keys(raw, directory)
     qc = Qwen3Config.from_dict(raw)
     rope_theta = _check_layers(qc, directory)

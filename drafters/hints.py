@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from verify.drafter import NgramStore
@@ -170,8 +171,6 @@ class HintStore:
 
     @classmethod
     def load(cls, directory: str | Path) -> HintStore:
-        from safetensors import safe_open
-
         path = Path(directory) / cls.FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the drafter was trained with store_hints and reads its hints "

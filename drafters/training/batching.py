@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader, Sampler
 
 
@@ -161,8 +162,6 @@ class ResumableLoader(DataLoader):
         return {"epoch": epoch, "batches": served}
 
     def load_state_dict(self, state: dict) -> None:
-        from lightning.fabric.utilities.data import _set_sampler_epoch
-
         try:
             epoch, served = int(state["epoch"]), int(state["batches"])
         except (KeyError, TypeError, ValueError):
