@@ -85,6 +85,9 @@ def test_train_export_resume(env, monkeypatch):
     run_main(train_assistant, [*_args(env, later, 2)[:-1], f"init_from={export}", f"hydra.run.dir={later}"])
     continued = json.loads((later / "export" / "training.json").read_text())
     assert continued["init"].startswith("continued from `export` (6 steps")
+    assert continued["total_steps"] == 6 + 2
+    assert continued["total_wall_time_s"] == pytest.approx(meta["wall_time_s"] + continued["wall_time_s"], abs=0.1)
+    assert "in all, with the runs it continued: 8 steps" in (later / "export" / "README.md").read_text()
     assert continued["val_at_start"]["val/ce"] == pytest.approx(meta["val"]["val/ce"], abs=1e-2)  # float16 export
 
 
@@ -194,3 +197,14 @@ def test_a_time_budget_stops_the_assistant_and_validation_can_wait_for_the_end(e
     capped = [a.replace("/timed", "/capped") for a in args]
     run_main(train_assistant, [*capped, "callbacks.train_clock.duration={seconds:0}"])
     assert json.loads((env["root"] / "runs" / "capped" / "train_summary.json").read_text())["steps"] < 5  # stopped
+
+
+def test_continued_totals_chain():
+    """A continuation of a continuation counts every run before it; an export that was not continued counts itself."""
+    first = asst.continued_record("a", {"steps": 10, "wall_time_s": 100.0, "init": "from the target"})
+    assert first["init"] == "continued from `a` (10 steps, 100.0 s; from the target)"
+    second = asst.with_totals({"steps": 5, "wall_time_s": 50.0}, first)
+    assert (second["total_steps"], second["total_wall_time_s"]) == (15, 150.0)
+    third = asst.continued_record("b", {"steps": 5, "wall_time_s": 50.0, **second})
+    assert (third["total_steps"], third["total_wall_time_s"]) == (15, 150.0)
+    assert asst.with_totals({"steps": 1, "wall_time_s": 1.0}, third)["total_steps"] == 16

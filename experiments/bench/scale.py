@@ -42,6 +42,7 @@ from drafters.training.blocks import select_blocks
 from drafters.training.module import DrafterLightningModule
 from drafters.training.optim import warmup_cosine
 from experiments.bench import peak_rss_mb, reset_peak_rss
+from experiments.pipeline import records
 from losses import AcceptanceAlignedLoss
 from verify.hf import cache_argument
 
@@ -239,8 +240,7 @@ def parse_args(argv=None):
 
 
 def machine(args) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+    info = {**records.machine(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
     if args.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()

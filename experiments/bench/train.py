@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from drafters.training.optim import warmup_cosine
 from drafters.training.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
+from experiments.pipeline.records import machine
 
 LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
 
@@ -234,7 +234,7 @@ def main(argv=None) -> dict:
         "target": path or "random Llama (tiny-target shape)",
         "target_parameters": sum(q.numel() for q in target.parameters()),
         "settings": {k: v for k, v in vars(args).items() if k not in {"out", "losses"}},
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine(),
         "losses": results,
         "validation_batch": bench_validation(target, args, batch),
         "reference": reference,

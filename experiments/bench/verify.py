@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from experiments.data.prompts import left_pad
+from experiments.pipeline.records import machine
 from verify import AssistantDrafter, speculative_generate, target_generate, truncated_copy
 
 
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
     results = {
         "batch": batches,
         "config": vars(args),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": machine(),
         "target_params": sum(p.numel() for p in target.parameters()),
         "assistant_params": sum(p.numel() for p in assistant.parameters()),
         "num_prompts": len(prompts),

@@ -78,10 +78,10 @@ ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "tie_word_embeddings")
 
 
-def continue_from(assistant, path: str | Path) -> str:
+def continue_from(assistant, path: str | Path) -> dict:
     """Load the weights of the assistant saved at ``path`` (an export: weights and ``training.json``) into
-    ``assistant``, in float32; a different architecture is refused, naming each setting. Returns the training
-    record's ``init`` text: what it continued and how long that had trained."""
+    ``assistant``, in float32; a different architecture is refused, naming each setting. Returns what it continued
+    (:func:`continued_record`)."""
     folder = Path(str(path)).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"init_from={path}: no saved assistant there (config.json); give an export folder of "
@@ -93,8 +93,18 @@ def continue_from(assistant, path: str | Path) -> str:
         raise ValueError(f"init_from={path}: another architecture than model: ({'; '.join(diffs)})")
     assistant.load_state_dict(saved.state_dict())
     earlier = json.loads((folder / "training.json").read_text()) if (folder / "training.json").is_file() else {}
-    return (f"continued from `{folder.name}` ({earlier.get('steps', '?')} steps, "
-            f"{earlier.get('wall_time_s', '?')} s; {earlier.get('init', 'its own initialisation')})")
+    return continued_record(folder.name, earlier)
+
+
+def continued_record(name: str, earlier: dict) -> dict:
+    """The training record's ``init`` text (what a run continued and how long that had trained) and the
+    ``total_steps`` / ``total_wall_time_s`` of every run before this one (``earlier``: the continued export's
+    ``training.json``; its own totals when it too was continued)."""
+    steps, seconds = earlier.get("steps"), earlier.get("wall_time_s")
+    return {"init": f"continued from `{name}` ({steps if steps is not None else '?'} steps, "
+                    f"{seconds if seconds is not None else '?'} s; {earlier.get('init', 'its own initialisation')})",
+            "total_steps": earlier.get("total_steps", steps or 0),
+            "total_wall_time_s": earlier.get("total_wall_time_s", seconds or 0.0)}
 
 
 def response_labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +218,7 @@ through `verify.AssistantDrafter` (K forwards per step, exact verification).
   {meta['train_response_tokens_seen']:,} response tokens seen
 - optimiser: {json.dumps(meta['optimizer'])}; schedule: {json.dumps(meta['scheduler'])}
 - wall time: {meta['wall_time_s'] / 60:.1f} min of training on {meta['machine']}, {meta['threads']} thread(s),
-  torch {meta['torch']}
+  torch {meta['torch']}{_totals_line(meta)}
 - weights: {meta['export_dtype']} safetensors
 
 ## Validation (held-out rows, response tokens)
@@ -222,6 +232,19 @@ through `verify.AssistantDrafter` (K forwards per step, exact verification).
 Step 0 is the initialisation ({meta['init']}). On greedy data (`data=regen_greedy`) the replayed τ is
 what `verify.speculative_generate` measures at temperature 0 on these answers.
 """
+
+
+def with_totals(meta: dict, before: dict) -> dict:
+    """``before`` (:func:`continued_record`) with this run's steps and time added to its totals."""
+    return {"init": before["init"], "total_steps": before["total_steps"] + meta["steps"],
+            "total_wall_time_s": round(before["total_wall_time_s"] + meta["wall_time_s"], 1)}
+
+
+def _totals_line(meta: dict) -> str:
+    if "total_steps" not in meta:
+        return ""
+    return (f"\n- in all, with the runs it continued: {meta['total_steps']:,} steps, "
+            f"{meta['total_wall_time_s'] / 3600:.2f} h of training")
 
 
 # ----------------------------------------------------------------------------- the training run
@@ -260,7 +283,7 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
     datamodule = hydra.utils.instantiate(cfg.data.datamodule, pad_token_id=pad)
     datamodule.setup("fit")
     model = build_assistant(target, OmegaConf.to_container(cfg.model, resolve=True), cfg.init_from_target)
-    init = continue_from(model, cfg.init_from) if cfg.get("init_from") else INIT_TEXT[cfg.init_from_target]
+    before = continue_from(model, cfg.init_from) if cfg.get("init_from") else None
     del target
     module = AssistantLM(model, hydra.utils.instantiate(cfg.optimizer),
                          hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
@@ -285,7 +308,8 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
         trainer.validate(module, datamodule=datamodule, verbose=False)
     logger.save()
 
-    meta = training_record(cfg, module, trainer, datamodule, overrides) | {"init": init}
+    meta = training_record(cfg, module, trainer, datamodule, overrides)
+    meta |= with_totals(meta, before) if before else {"init": INIT_TEXT[cfg.init_from_target]}
     meta["resumed_from_step"] = first_step
     meta["val_at_start"] = storage.read_json(start_file, "validation record") if start_file.is_file() else None
     export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"

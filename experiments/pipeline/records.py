@@ -160,12 +160,28 @@ def _portable_argument(value):
     return portable_override(value) if "=" in value else portable_value(value)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; where there is none, what :mod:`platform` says)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else (platform.processor() or "unknown")
+
+
+def machine() -> dict:
+    """What a timing depends on: the platform, the CPU's model and the widest vector ISA torch's kernels use on it
+    (``isa``: e.g. AVX2 or AVX512; speed ratios differ between them, not only absolute speeds), torch, threads."""
+    return {"platform": platform.platform(), "cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
 def write_record(doc: dict, out: str | Path) -> dict:
-    """``doc`` with ``machine`` (platform, torch, threads) added and its ``overrides`` written portably
+    """``doc`` with ``machine`` (:func:`machine`) added and its ``overrides`` written portably
     (:func:`portable_override`), written as JSON to ``out`` (its folder made)."""
 
-    doc = {**doc, "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                              "threads": torch.get_num_threads()}}
+    doc = {**doc, "machine": machine()}
     if "overrides" in doc:
         doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
     if isinstance(doc.get("config"), dict):  # a script's arguments: paths written as the overrides' are
