@@ -217,7 +217,8 @@ def hydra_run(assets, tmp_path_factory):
 
 def test_hydra_entry_point(hydra_run, assets):
     doc = json.loads((hydra_run / "results.json").read_text())
-    assert set(doc) >= {"config", "settings", "drafter", "target", "git_commit", "results"}
+    assert set(doc) >= {"config", "settings", "drafter", "target", "git_commit", "machine", "results"}
+    assert doc["machine"]["isa"] == torch.backends.cpu.get_cpu_capability()  # what its speeds hold for
     assert doc["config"]["drafter"]["path"] == str(assets / "drafter")
     assert doc["config"]["results_path"] == str(hydra_run / "results.json")
     assert doc["drafter"]["config"]["block_size"] == K + 1

@@ -49,6 +49,7 @@ from experiments.pipeline.records import (
     describe_target,
     git_commit,
     logged_metrics,
+    machine,
     suite_digests,
     temperature_key,
 )
@@ -232,6 +233,7 @@ def results_doc(cfg: DictConfig, settings: DecodingSettings, drafter_info: dict,
         "drafter": drafter_info,
         "target": describe_target(target, cfg.target.path),
         "git_commit": git_commit(),
+        "machine": machine(),  # speed ratios hold for the kind of machine they were measured on
         "suites": suite_digests(suites),
         "results": {},
     }

@@ -36,6 +36,7 @@ from experiments.data.suites import load_suites
 from experiments.data.target import eos_token_ids, load_target
 from experiments.pipeline.evaluation import prompt_budget
 from experiments.pipeline.paths import cache_path, runs_path
+from experiments.pipeline.records import machine
 from experiments.serving.compare import sequence_acceptance
 from experiments.serving.engine import ServingError, vllm_python
 from experiments.serving.engine import run_engines as serve
@@ -219,7 +220,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
            "speed_by_phase": {n: {p["name"]: p["num_tokens"] / p["wall_s"] for p in r["phases"]}
                               for n, r in results.items()},
            "step_cost": step_costs(results), "outputs_identical": _identical_outputs(results), "acceptance": {},
-           "engine_start_s": {n: r["startup_s"] for n, r in results.items()}}
+           "engine_start_s": {n: r["startup_s"] for n, r in results.items()}, "machine": machine()}
     if "drafter" in results:
         for phase in results["drafter"]["phases"]:
             if phase["concurrency"] == 1:
