@@ -7,7 +7,14 @@ from conftest import tiny_target
 from torch import nn
 
 from verify.generate import target_generate
-from verify.layout import column_major, column_major_linears, is_column_major, set_weight_layout
+from verify.layout import (
+    OneDNNPackedLinear,
+    column_major,
+    column_major_linears,
+    is_column_major,
+    onednn_packed_linears,
+    set_weight_layout,
+)
 
 
 def test_column_major_weight_has_the_same_values_and_shape():
@@ -77,3 +84,60 @@ def test_an_unknown_layout_is_named():
     with pytest.raises(ValueError, match="weight_layout: 'diagonal'"):
         set_weight_layout("diagonal", tiny_target("llama"))
 
+
+
+def test_onednn_packed_linears_keep_parameters_ties_and_outputs_at_every_row_count():
+    model = tiny_target("llama", vocab_size=64, hidden_size=32, num_layers=2)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    params = {n: p for n, p in model.named_parameters()}
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = [model(ids[:, :n]).logits for n in (1, 3, 9)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert onednn_packed_linears(model) == len(linears)
+    assert all(type(m) is OneDNNPackedLinear for m in linears)
+    assert {n: p for n, p in model.named_parameters()} == params  # the same tensors: ties and fingerprints hold
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        after = [model(ids[:, :n]).logits for n in (1, 3, 9)]
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert onednn_packed_linears(model) == 0  # idempotent
+
+
+def test_onednn_packed_linear_takes_the_packed_path_only_for_two_rows_or_more(monkeypatch):
+    layer = nn.Linear(8, 5)
+    onednn_packed_linears(layer)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+        layer(x[:, :1])
+    assert calls == [torch.Size([3, 8])]  # one row went through F.linear
+    y = layer(x.requires_grad_())  # training: F.linear, with a gradient
+    y.sum().backward()
+    assert calls == [torch.Size([3, 8])] and x.grad is not None
+
+
+def test_greedy_and_speculative_decoding_are_token_identical_with_onednn_packed_weights():
+    from conftest import left_padded_prompts
+
+    from drafters import DraftingPolicy, PolicyDrafter, factory
+    from drafters.checks import target_weights_sha1
+    from verify.generate import speculative_generate
+
+    target = tiny_target("llama", vocab_size=64, seed=1)
+    torch.manual_seed(7)
+    drafter = PolicyDrafter(factory.from_target(target, block_size=6), DraftingPolicy())
+    ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
+    signature = target_weights_sha1(target)
+    greedy = target_generate(target, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    assert set_weight_layout("onednn_packed", target, drafter) > 0
+    assert target_weights_sha1(target) == signature
+    packed_greedy = target_generate(target, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    spec = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    assert torch.equal(packed_greedy.sequences, greedy.sequences)
+    assert torch.equal(spec.sequences, greedy.sequences)

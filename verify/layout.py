@@ -1,11 +1,22 @@
-"""Column-major linear weights: the same values and shapes as PyTorch's ``(out, in)`` weights, stored so that
-``F.linear`` hands BLAS a plain (untransposed) operand.
+"""Linear weights laid out for the row counts that decoding multiplies them by (the decoding setting
+``weight_layout``); the values, shapes, parameters and ties of a model are untouched.
 
-On this CPU's BLAS, ``F.linear`` over a row-major weight falls off a cliff at 4 rows and more: SmolLM2's 576->1536
-projection costs several times more at 4 rows than at 3 (``experiments/results/bench/weight_layout_smollm2.json``),
-which makes a target forward over 4+ verified columns cost far more than its arithmetic. A column-major weight has
-no such cliff. The values are untouched, so a model's outputs are those of the same matrix products (to float
-rounding of the BLAS kernel, like any change of batch shape).
+At batch 1 a target forward over a few verified columns should cost about one 1-column step: the weights are read
+from memory once either way. MKL's ``F.linear`` does not manage that on every CPU: on a Xeon (AVX-512) it falls off
+a cliff at 4 rows (``experiments/results/bench/weight_layout_smollm2.json``), on an AMD EPYC (AVX2) it reads the
+weights again for each added row, a 3-column forward costing 2.1x a step
+(``experiments/results/bench/draft_cost_smollm2_avx2.json``).
+
+- ``row_major``: as loaded.
+- ``column_major``: each weight stored column-major, so that BLAS gets an untransposed operand (no 4-row cliff on
+  the Xeon; slower there at 2-3 rows).
+- ``onednn_packed``: each ``nn.Linear`` also keeps a copy of its weight packed for oneDNN, which multiplies 2 or
+  more rows by it (the kernels PyTorch's compiler uses for frozen CPU weights); a single row still goes through
+  ``F.linear``. On the AMD EPYC a 3-column forward then costs ~1.25x a step. It costs a second copy of the linear
+  weights in memory, and the copy does not follow later changes to the weights (lay out after loading, for
+  decoding only).
+
+Outputs are those of the same matrix products to float rounding of the kernel, like any change of batch shape.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-LAYOUTS = ("row_major", "column_major")  # the values of the decoding setting ``weight_layout``
+LAYOUTS = ("row_major", "column_major", "onednn_packed")  # the values of the decoding setting ``weight_layout``
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -42,6 +53,34 @@ def column_major_linears(model: nn.Module) -> int:
     return len(weights)
 
 
+class OneDNNPackedLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters) whose products over 2 or more rows use ``packed``, its weight packed for
+    oneDNN (:func:`onednn_packed_linears`); one row, a gradient, another dtype or device go through ``F.linear``."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows < 2 or not x.is_cpu or x.dtype != self.packed.dtype or (torch.is_grad_enabled() and x.requires_grad):
+            return super().forward(x)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@torch.no_grad()
+def onednn_packed_linears(model: nn.Module) -> int:
+    """Give every float32 ``nn.Linear`` of ``model`` a oneDNN-packed copy of its weight (:class:`OneDNNPackedLinear`),
+    in place; parameters and ties stay as they are. Returns how many were packed. Idempotent."""
+    if not torch.backends.mkldnn.is_available():
+        raise RuntimeError("weight_layout: 'onednn_packed' needs a PyTorch built with oneDNN (mkldnn), which this "
+                           "one is not: use row_major or column_major")
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32]
+    for module in linears:
+        module.__class__ = OneDNNPackedLinear
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+    return len(linears)
+
+
 def modules_of(obj, depth: int = 2) -> list[nn.Module]:
     """The ``nn.Module`` s an object is or holds: itself, or its attributes' (wrappers of wrappers, ``depth``
     levels: a policy wrapper around a block drafter, an assistant's draft model)."""
@@ -53,10 +92,11 @@ def modules_of(obj, depth: int = 2) -> list[nn.Module]:
 
 
 def set_weight_layout(layout: str, *models) -> int:
-    """Lay out the linear weights of ``models`` (modules or drafter wrappers): ``row_major`` leaves them as loaded,
-    ``column_major`` re-lays them (:func:`column_major_linears`). Returns how many weights were re-laid."""
+    """Lay out the linear weights of ``models`` (modules or drafter wrappers; the module doc): ``row_major`` leaves
+    them as loaded. Returns how many weights were re-laid or packed."""
     if layout not in LAYOUTS:
         raise ValueError(f"weight_layout: {layout!r} is not one of {list(LAYOUTS)}")
     if layout == "row_major":
         return 0
-    return sum(column_major_linears(m) for obj in models for m in modules_of(obj))
+    lay = column_major_linears if layout == "column_major" else onednn_packed_linears
+    return sum(lay(m) for obj in models for m in modules_of(obj))
