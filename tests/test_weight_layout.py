@@ -15,6 +15,7 @@ from verify.layout import (
     onednn_packed_linears,
     set_weight_layout,
 )
+from verify.target_pass import head_logits
 
 
 def test_column_major_weight_has_the_same_values_and_shape():
@@ -120,6 +121,21 @@ def test_onednn_packed_linear_takes_the_packed_path_only_for_two_rows_or_more(mo
     y = layer(x.requires_grad_())  # training: F.linear, with a gradient
     y.sum().backward()
     assert calls == [torch.Size([3, 8])] and x.grad is not None
+
+
+def test_the_verifiers_own_head_product_uses_the_packed_head(monkeypatch):
+    head = nn.Linear(16, 300, bias=False)
+    states = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        plain = head_logits(head, states)
+        onednn_packed_linears(head)
+        calls = []
+        real = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a))
+        packed = head_logits(head, states)
+    assert calls == [torch.Size([6, 16])]  # (b * L, H): one packed product, not verify.hf.linear_logits
+    assert packed.shape == (2, 3, 300)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_and_speculative_decoding_are_token_identical_with_onednn_packed_weights():

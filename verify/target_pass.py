@@ -13,6 +13,7 @@ import torch
 
 import verify.hf
 from verify.hf import cache_argument, max_positions, new_growing_kv_cache
+from verify.layout import OneDNNPackedLinear
 
 
 class NoClock:
@@ -45,10 +46,13 @@ def is_plain_head(head, logits: torch.Tensor, final: torch.Tensor) -> bool:
 
 
 def head_logits(head, states: torch.Tensor) -> torch.Tensor:  # (b, L, H) -> (b, L, V)
-    """The logits of a plain head (see :func:`is_plain_head`) over final hidden states, as one 2-D product."""
+    """The logits of a plain head (see :func:`is_plain_head`) over final hidden states, as one 2-D product: the
+    head module's own where its weight is laid out for several rows (``weight_layout=onednn_packed``), else
+    :func:`verify.hf.linear_logits` on its weight."""
     b, length, size = states.shape
-    return verify.hf.linear_logits(head.weight, states.reshape(b * length, size).to(head.weight.dtype)).view(
-        b, length, -1)
+    flat = states.reshape(b * length, size).to(head.weight.dtype)
+    logits = head(flat) if isinstance(head, OneDNNPackedLinear) else verify.hf.linear_logits(head.weight, flat)
+    return logits.view(b, length, -1)
 
 
 class TargetPass:
