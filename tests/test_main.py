@@ -21,7 +21,8 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
         if module == "experiments.pipeline.choose_k":
             (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}, '
                                                    '"block_width": {"l2r_all": {"chosen_k": 2}, '
-                                                   '"l2r_all_long": {"chosen_k": 2, "chosen_vocab": 8192}}}')
+                                                   '"l2r_all_long": {"chosen_k": 2, "chosen_vocab": 8192}}, '
+                                                   '"chosen_layout": "onednn_packed"}')
         if module == "experiments.report":
             out = Path(overrides[-1])
             out.mkdir()
@@ -121,6 +122,8 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     answers = str(Path("experiments/assets/sharegpt_answers").resolve())
     assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:4] == [
         "0", "4096", "--draft-vocab-from", answers]
+    assert by_name["choose K"][by_name["choose K"].index("--weight-layouts") + 1:][:2] == ["row_major", "onednn_packed"]
+    assert "weight_layout=onednn_packed" in by_name["speed"]  # the layout choose_k chose: the speed stage's decoding
     assert {"drafters.l2r_all_long.draft_vocab_size=8192",
             f"drafters.l2r_all_long.draft_vocab_from={answers}"} <= set(by_name["speed"])
     assert not any("max_draft_tokens" in a or "draft_vocab" in a for a in by_name["eval l2r_all_long"])  # τ: all

@@ -170,6 +170,38 @@ def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, 
     assert picked["by_vocab"][32]["by_k"][2]["tau"] == pytest.approx(sum(len(i) - c for i, c in rows) / steps, abs=1e-4)
 
 
+def test_choose_k_times_each_weight_layout_on_fresh_weights_and_keeps_the_taus(greedy_data, trained, tmp_path,
+                                                                             monkeypatch):
+    """experiments.pipeline.choose_k --weight-layouts: the τ's are replayed once, the step costs timed under each
+    layout on a freshly loaded target (packed there, never before the replay), and one layout is chosen."""
+    import copy
+    import json
+
+    from experiments.pipeline import choose_k
+    from verify.layout import OneDNNPackedLinear
+
+    target, data_dir, _, _ = greedy_data
+    trained[0].drafter.save_pretrained(tmp_path / "drafter")
+    loaded = []
+    monkeypatch.setattr(choose_k, "load_target", lambda path: loaded.append(copy.deepcopy(target)) or (loaded[-1], None))
+    replays, real_taus = [], choose_k.block_taus
+    monkeypatch.setattr(choose_k, "block_taus", lambda *a: replays.append(a[1]) or real_taus(*a))
+    out = choose_k.main(["--data-dir", str(data_dir), "--target", "t", "--drafter", f"d={tmp_path / 'drafter'}",
+                         "--ks", "1", "2", "--val-fraction", "0.2", "--rows", "4", "--rounds", "2",
+                         "--weight-layouts", "row_major", "onednn_packed", "--out", str(tmp_path / "k.json")])
+    assert len(loaded) == 2 and type(loaded[1].lm_head) is OneDNNPackedLinear and type(loaded[0].lm_head) is not \
+        OneDNNPackedLinear  # one fresh target per layout
+    assert replays == [loaded[0]]  # τ replayed once, on the target as loaded
+    by_layout = out["by_layout"]
+    assert set(by_layout) == {"row_major", "onednn_packed"} and out["chosen_layout"] in by_layout
+    for name in ("prompt_lookup",):
+        assert by_layout["row_major"][name]["by_k"][2]["tau"] == by_layout["onednn_packed"][name]["by_k"][2]["tau"]
+    taus = [{w: r["tau"] for w, r in by_layout[layout]["block_width"]["d"]["by_k"].items()} for layout in by_layout]
+    assert taus[0] == taus[1] and taus[0][2] > 1.0
+    assert out["block_width"] == by_layout[out["chosen_layout"]]["block_width"]
+    assert json.loads((tmp_path / "k.json").read_text())["chosen_layout"] == out["chosen_layout"]
+
+
 def test_soft_loss_trains_and_validates(greedy_data):
     target, data_dir, _, _ = greedy_data
     loss = AcceptanceAlignedLoss(gamma=7.0, focal_weight=0.3, chain_weight=1.0, soft=True)

@@ -107,7 +107,7 @@ def test_onednn_packed_linears_keep_parameters_ties_and_outputs_at_every_row_cou
     assert onednn_packed_linears(model) == 0  # idempotent
 
 
-def test_onednn_packed_linear_takes_the_packed_path_only_for_two_rows_or_more(monkeypatch):
+def test_onednn_packed_linear_takes_the_packed_path_at_every_row_count_but_never_with_a_gradient(monkeypatch):
     layer = nn.Linear(8, 5)
     onednn_packed_linears(layer)
     calls = []
@@ -116,11 +116,12 @@ def test_onednn_packed_linear_takes_the_packed_path_only_for_two_rows_or_more(mo
     x = torch.randn(1, 3, 8)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
-        layer(x[:, :1])
-    assert calls == [torch.Size([3, 8])]  # one row went through F.linear
+        torch.testing.assert_close(layer(x[:, :1]), nn.functional.linear(x[:, :1], layer.weight, layer.bias))
+        assert layer(x[:, :0]).shape == (1, 0, 5)  # no rows: F.linear
+    assert calls == [torch.Size([3, 8]), torch.Size([1, 8])]
     y = layer(x.requires_grad_())  # training: F.linear, with a gradient
     y.sum().backward()
-    assert calls == [torch.Size([3, 8])] and x.grad is not None
+    assert len(calls) == 2 and x.grad is not None
 
 
 def test_the_verifiers_own_head_product_uses_the_packed_head(monkeypatch):

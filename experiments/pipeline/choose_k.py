@@ -17,7 +17,10 @@ runs over W slots, the drafts are the full block's): τ(W) replayed from one tea
 ``--draft-vocab-sizes``, each W is also tried drafting from the N most frequent response tokens of
 ``--draft-vocab-from`` (FR-Spec's candidate vocabulary, ``drafter.draft_vocab_size``; 0: the whole vocabulary): τ
 replayed from the candidates, the drafts of every (W, N) timed interleaved; the (W, N) with the largest estimate is
-chosen. Rows: the validation split of the data folder (the same ``val_fraction`` as training).
+chosen. With ``--weight-layouts``, every step cost is timed again with the weights laid out each way (the decoding
+setting ``weight_layout``, :mod:`verify.layout`), and the layout with the largest mean estimate over the drafters is
+chosen (``chosen_layout``; each layout's choices under ``by_layout``). Rows: the validation split of the data folder
+(the same ``val_fraction`` as training).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from experiments.pipeline.records import write_record
 from experiments.pipeline.replay import assistant_correct, block_leads_by_vocab, lookup_replay
 from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument, new_growing_kv_cache
+from verify.layout import LAYOUTS, set_weight_layout
 
 
 def held_out_rows(data_dir: str, fraction: float, limit: int) -> list[tuple[list[int], int]]:
@@ -108,16 +112,68 @@ def choose(taus: dict[int, float], step_ms: dict[int, float], one_ms: float) -> 
     return {"by_k": rows, "chosen_k": max(rows, key=lambda k: rows[k]["speedup_estimate"])}
 
 
-def choose_block(drafter, target, rows, widths, vocabs: dict, target_ms: dict[int, float], rounds: int) -> dict:
+def choose_block(drafter, target, rows, widths, vocabs: dict, target_ms: dict[int, float], rounds: int,
+                 taus: dict | None = None) -> dict:
     """The width W and candidate vocabulary (``vocabs``: size N -> ids (N',), 0 -> None for the whole vocabulary) a
-    block drafter verifies best: :func:`choose` per N, the N of the largest estimate chosen (``chosen_vocab``)."""
+    block drafter verifies best: :func:`choose` per N, the N of the largest estimate chosen (``chosen_vocab``).
+    ``taus``: :func:`block_taus`' result when it is known already."""
     variants = {(w, n): PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w), ids)
                 for n, ids in vocabs.items() for w in widths}
     ms = draft_ms(target, variants, rounds)
-    taus = block_taus(drafter, target, rows, widths, vocabs)
+    taus = taus or block_taus(drafter, target, rows, widths, vocabs)
     by_vocab = {n: choose(taus[n], {w: target_ms[w + 1] + ms[w, n] for w in widths}, target_ms[1]) for n in vocabs}
     best = max(by_vocab, key=lambda n: by_vocab[n]["by_k"][by_vocab[n]["chosen_k"]]["speedup_estimate"])
     return {**by_vocab[best], "chosen_vocab": best, "by_vocab": by_vocab}
+
+
+def best_estimate(choice: dict) -> float:
+    """The estimated speedup of a :func:`choose` (or :func:`choose_block`) result at the K it chose."""
+    return choice["by_k"][choice["chosen_k"]]["speedup_estimate"]
+
+
+def choose_all(args, rows, layout: str, taus: dict) -> dict:
+    """Every choice of this module with the weights of the target, the assistant and the block drafters laid out as
+    ``layout`` (:func:`verify.layout.set_weight_layout`), which only the step costs depend on: the τ's are replayed
+    once, before any weight is re-laid, into ``taus`` (filled on the first call, read on the later ones)."""
+    target = load_target(args.target)[0]
+    widths = sorted({1, *(k + 1 for k in args.ks)})
+    if "prompt_lookup" not in taus:
+        taus["prompt_lookup"] = {k: lookup_tau(rows, k) for k in args.ks}
+    assistant = load_target(args.assistant)[0] if args.assistant else None
+    if assistant is not None and "ar_assistant" not in taus:
+        taus["ar_assistant"] = assistant_taus(assistant, rows, args.ks)
+    blocks = {}
+    for name, path in (item.split("=", 1) for item in args.drafter):
+        drafter = factory.load(path, target=target).eval()
+        ws = [w for w in args.ks if w <= drafter.num_draft_tokens]
+        vocabs = {n: candidate_vocab(target, n, args.draft_vocab_from or args.data_dir, Path(path)) if n else None
+                  for n in args.draft_vocab_sizes}
+        if name not in taus:
+            taus[name] = block_taus(drafter, target, rows, ws, vocabs)
+        blocks[name] = drafter, ws, vocabs
+    set_weight_layout(layout, target, assistant, *(drafter for drafter, _, _ in blocks.values()))
+    target_ms = forward_ms(target, widths, args.rounds)
+    result = {"target_ms": target_ms,
+              "prompt_lookup": choose(taus["prompt_lookup"], {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
+    if assistant is not None:
+        one = forward_ms(assistant, [1], args.rounds)[1]
+        result["assistant_token_ms"] = one
+        result["ar_assistant"] = choose(taus["ar_assistant"], {k: target_ms[k + 1] + k * one for k in args.ks},
+                                        target_ms[1])
+    for name, (drafter, ws, vocabs) in blocks.items():
+        result.setdefault("block_width", {})[name] = choose_block(drafter, target, rows, ws, vocabs, target_ms,
+                                                                  args.rounds, taus[name])
+    return result
+
+
+def choose_layout(by_layout: dict[str, dict]) -> str:
+    """The weight layout whose choices have the largest mean estimated speedup over the drafters (prompt lookup, the
+    assistant, each block drafter): the one decoding setting they share in a timing (``experiments.speed``)."""
+    def mean_estimate(result: dict) -> float:
+        choices = [result[b] for b in ("prompt_lookup", "ar_assistant") if b in result]
+        choices += list(result.get("block_width", {}).values())
+        return statistics.fmean(best_estimate(c) for c in choices)
+    return max(by_layout, key=lambda layout: mean_estimate(by_layout[layout]))
 
 
 def main(argv=None) -> dict:
@@ -132,6 +188,8 @@ def main(argv=None) -> dict:
                    help="block drafters: candidate vocabulary sizes tried (drafter.draft_vocab_size; 0: the whole)")
     p.add_argument("--draft-vocab-from", default=None,
                    help="the data or recorded-answers folder the candidates are counted in (default: --data-dir)")
+    p.add_argument("--weight-layouts", nargs="+", default=["row_major"], choices=LAYOUTS,
+                   help="the decoding setting weight_layout: each one's step costs timed, the best one chosen")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
@@ -140,29 +198,17 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = held_out_rows(args.data_dir, args.val_fraction, args.rows)
-    target = load_target(args.target)[0]
-    widths = sorted({1, *(k + 1 for k in args.ks)})
-    target_ms = forward_ms(target, widths, args.rounds)
-    result = {"rows": len(rows), "target_ms": target_ms,
-              "prompt_lookup": choose({k: lookup_tau(rows, k) for k in args.ks},
-                                      {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
-    if args.assistant:
-        assistant = load_target(args.assistant)[0]
-        one = forward_ms(assistant, [1], args.rounds)[1]
-        result["assistant_token_ms"] = one
-        result["ar_assistant"] = choose(assistant_taus(assistant, rows, args.ks),
-                                        {k: target_ms[k + 1] + k * one for k in args.ks}, target_ms[1])
-    for name, path in (item.split("=", 1) for item in args.drafter):
-        drafter = factory.load(path, target=target).eval()
-        ws = [w for w in args.ks if w <= drafter.num_draft_tokens]
-        vocabs = {n: candidate_vocab(target, n, args.draft_vocab_from or args.data_dir, Path(path)) if n else None
-                  for n in args.draft_vocab_sizes}
-        result.setdefault("block_width", {})[name] = choose_block(drafter, target, rows, ws, vocabs, target_ms,
-                                                                  args.rounds)
+    taus: dict = {}
+    by_layout = {layout: choose_all(args, rows, layout, taus) for layout in dict.fromkeys(args.weight_layouts)}
+    layout = choose_layout(by_layout)
+    result = {"rows": len(rows), **by_layout[layout], "chosen_layout": layout}
+    if len(by_layout) > 1:
+        result["by_layout"] = by_layout
     write_record({"config": vars(args), **result}, args.out)
     for name, chosen in result.get("block_width", {}).items():
         print(f"[choose_k] {name}: W = {chosen['chosen_k']}, candidate vocabulary {chosen['chosen_vocab'] or 'all'}  "
               f"{chosen['by_k']}", flush=True)
+    print(f"[choose_k] weight layout: {layout}", flush=True)
     for name in ("prompt_lookup", "ar_assistant"):
         if name in result:
             print(f"[choose_k] {name}: K = {result[name]['chosen_k']}  {result[name]['by_k']}", flush=True)

@@ -89,6 +89,7 @@ def baseline_overrides(overrides, baseline: str, fill: dict[str, str | None]) ->
     return out
 
 
+SPEED = "<speed>"  # the key of _choose_k's overrides for the speed stage's decoding (no drafter's name has brackets)
 _MADE_BY = {"data_dir": "the drafters' data folder, known from a trained loss's train_summary.json: train at "
                         "least one loss",
             "assistant_dir": "the assistant of `assistant:`; set assistant.config_name or assistant.path"}
@@ -136,8 +137,8 @@ def _train_stages(cfg: DictConfig, run_dir: Path, science: list[str], log: dict)
 def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path], log: dict) -> dict[str, list[str]]:
     """With ``choose_k``: each of prompt_lookup and ar_assistant's best K, and each timed block drafter's best W (and
     candidate vocabulary, ``choose_k.draft_vocab_sizes``) on the held-out training answers
-    (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``), as evaluation overrides by drafter; ``{}``
-    without."""
+    (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``), as evaluation overrides by drafter, and the
+    weight layout chosen among ``choose_k.weight_layouts`` as the speed stage's (key :data:`SPEED`); ``{}`` without."""
     wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
     spec = cfg.get("choose_k")
     if not spec or not wanted:
@@ -147,7 +148,8 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
     out, vocab_from = run_dir / "choose_k.json", spec.get("draft_vocab_from") or fill["data_dir"]
     args = ["--data-dir", fill["data_dir"], "--target", str(spec.target_path), "--out", str(out),
             "--ks", *map(str, spec.ks), "--draft-vocab-sizes", *map(str, spec.get("draft_vocab_sizes") or [0]),
-            "--draft-vocab-from", str(vocab_from)]
+            "--draft-vocab-from", str(vocab_from), *(["--weight-layouts", *spec.weight_layouts]
+                                                     if spec.get("weight_layouts") else [])]
     if "ar_assistant" in wanted and fill["assistant_dir"] is not None:
         args += ["--assistant", fill["assistant_dir"]]
     for name in _timed(cfg, blocks):
@@ -160,6 +162,8 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
         vocab = int(c.get("chosen_vocab") or 0)  # 0: the whole vocabulary
         overrides[name] = [f"drafter.max_draft_tokens={int(c['chosen_k'])}", *(
             [f"drafter.draft_vocab_size={vocab}", f"drafter.draft_vocab_from={vocab_from}"] if vocab else [])]
+    if "chosen_layout" in chosen:
+        overrides[SPEED] = [f"weight_layout={chosen['chosen_layout']}"]
     return overrides
 
 
@@ -190,7 +194,7 @@ def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], bl
     timed = _timed(cfg, drafters)
     if timed:
         each = [a for n in timed for a in speed_arguments(n, [*drafters[n], *(chosen.get(n, []) if n in blocks else [])])]
-        stage("speed", "experiments.speed", [*evaluate, *each, *cfg.speed_overrides,
+        stage("speed", "experiments.speed", [*evaluate, *each, *chosen.get(SPEED, []), *cfg.speed_overrides,
                                              f"hydra.run.dir={run_dir / 'speed'}"], log)
     return timed
 
