@@ -139,17 +139,40 @@ def test_the_verifiers_own_head_product_uses_the_packed_head(monkeypatch):
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_and_speculative_decoding_are_token_identical_with_onednn_packed_weights():
+def _target_drafter_prompts():
     from conftest import left_padded_prompts
 
     from drafters import DraftingPolicy, PolicyDrafter, factory
-    from drafters.checks import target_weights_sha1
-    from verify.generate import speculative_generate
 
     target = tiny_target("llama", vocab_size=64, seed=1)
     torch.manual_seed(7)
     drafter = PolicyDrafter(factory.from_target(target, block_size=6), DraftingPolicy())
-    ids, mask = left_padded_prompts([6, 3, 8], 64, seed=1)
+    return target, drafter, *left_padded_prompts([6, 3, 8], 64, seed=1)
+
+
+def test_the_lazy_verifier_applies_a_packed_head_to_every_position_at_once(monkeypatch):
+    """At T=0 the verifier applies the LM head lazily (first positions, then growing chunks); a packed head costs
+    about as much over every position as over a few, so it gets them all in one product."""
+    import verify.generate as gen
+
+    target, drafter, ids, mask = _target_drafter_prompts()
+    seen, real = [], gen._verify_greedy_lazy
+    monkeypatch.setattr(gen, "_verify_greedy_lazy",
+                        lambda drafts, final, head, first: seen.append((drafts.shape[1], first)) or real(drafts, final, head, first))
+    plain = gen.speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    assert any(first < width + 1 for width, first in seen)  # lazy: the first positions only
+    seen.clear()
+    set_weight_layout("onednn_packed", target, drafter)
+    packed = gen.speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
+    assert seen and all(first == width + 1 for width, first in seen)
+    assert torch.equal(packed.sequences, plain.sequences)
+
+
+def test_greedy_and_speculative_decoding_are_token_identical_with_onednn_packed_weights():
+    from drafters.checks import target_weights_sha1
+    from verify.generate import speculative_generate
+
+    target, drafter, ids, mask = _target_drafter_prompts()
     signature = target_weights_sha1(target)
     greedy = target_generate(target, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
     assert set_weight_layout("onednn_packed", target, drafter) > 0

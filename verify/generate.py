@@ -33,6 +33,7 @@ from verify.target_pass import (
     head_logits,
     is_plain_head,
     prefill,
+    reads_head_once,
 )
 
 # The earlier private names of what moved to verify.inputs and verify.target_pass (tests and benchmarks use them).
@@ -166,7 +167,7 @@ def _verify(run: TargetPass, live: Live, drafts, q, slots, temperature, top_k, t
     if run.lazy and temperature != 0:
         logits = head_logits(run.head, final)  # (B, W + 1, V)
     if run.lazy and temperature == 0:
-        first = min(width + 1, 2 + math.ceil(live.accepted_mean))
+        first = width + 1 if reads_head_once(run.head) else min(width + 1, 2 + math.ceil(live.accepted_mean))
         num_accepted, next_token = _verify_greedy_lazy(drafts, final, run.head, first)  # (B,), (B,)
     elif temperature == 0:  # same result as verify_block on one-hot p, without sampling
         num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)

@@ -45,6 +45,12 @@ def is_plain_head(head, logits: torch.Tensor, final: torch.Tensor) -> bool:
     return bool(torch.allclose(mine, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max()))))
 
 
+def reads_head_once(head) -> bool:
+    """Whether ``head`` multiplies several rows at about the cost of one (its weight packed,
+    ``weight_layout=onednn_packed``): the lazy verifier then applies it to every position of a block at once."""
+    return isinstance(head, OneDNNPackedLinear)
+
+
 def head_logits(head, states: torch.Tensor) -> torch.Tensor:  # (b, L, H) -> (b, L, V)
     """The logits of a plain head (see :func:`is_plain_head`) over final hidden states, as one 2-D product: the
     head module's own where its weight is laid out for several rows (``weight_layout=onednn_packed``), else
