@@ -122,7 +122,7 @@ def choose_block(drafter, target, rows, widths, vocabs: dict, target_ms: dict[in
     ms = draft_ms(target, variants, rounds)
     taus = taus or block_taus(drafter, target, rows, widths, vocabs)
     by_vocab = {n: choose(taus[n], {w: target_ms[w + 1] + ms[w, n] for w in widths}, target_ms[1]) for n in vocabs}
-    best = max(by_vocab, key=lambda n: by_vocab[n]["by_k"][by_vocab[n]["chosen_k"]]["speedup_estimate"])
+    best = max(by_vocab, key=lambda n: best_estimate(by_vocab[n]))
     return {**by_vocab[best], "chosen_vocab": best, "by_vocab": by_vocab}
 
 
