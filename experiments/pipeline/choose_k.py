@@ -131,38 +131,39 @@ def best_estimate(choice: dict) -> float:
     return choice["by_k"][choice["chosen_k"]]["speedup_estimate"]
 
 
-def choose_all(args, rows, layout: str, taus: dict) -> dict:
+def choose_all(args, rows, layout: str, replayed: dict) -> dict:
     """Every choice of this module with the weights of the target, the assistant and the block drafters laid out as
-    ``layout`` (:func:`verify.layout.set_weight_layout`), which only the step costs depend on: the τ's are replayed
-    once, before any weight is re-laid, into ``taus`` (filled on the first call, read on the later ones)."""
+    ``layout`` (:func:`verify.layout.set_weight_layout`), which only the step costs depend on: the τ's (and a block
+    drafter's candidate vocabularies) are made once, before any weight is re-laid, into ``replayed`` (filled on the
+    first call, read on the later ones)."""
     target = load_target(args.target)[0]
     widths = sorted({1, *(k + 1 for k in args.ks)})
-    if "prompt_lookup" not in taus:
-        taus["prompt_lookup"] = {k: lookup_tau(rows, k) for k in args.ks}
+    if "prompt_lookup" not in replayed:
+        replayed["prompt_lookup"] = {k: lookup_tau(rows, k) for k in args.ks}
     assistant = load_target(args.assistant)[0] if args.assistant else None
-    if assistant is not None and "ar_assistant" not in taus:
-        taus["ar_assistant"] = assistant_taus(assistant, rows, args.ks)
+    if assistant is not None and "ar_assistant" not in replayed:
+        replayed["ar_assistant"] = assistant_taus(assistant, rows, args.ks)
     blocks = {}
     for name, path in (item.split("=", 1) for item in args.drafter):
         drafter = factory.load(path, target=target).eval()
         ws = [w for w in args.ks if w <= drafter.num_draft_tokens]
-        vocabs = {n: candidate_vocab(target, n, args.draft_vocab_from or args.data_dir, Path(path)) if n else None
-                  for n in args.draft_vocab_sizes}
-        if name not in taus:
-            taus[name] = block_taus(drafter, target, rows, ws, vocabs)
-        blocks[name] = drafter, ws, vocabs
-    set_weight_layout(layout, target, assistant, *(drafter for drafter, _, _ in blocks.values()))
+        if name not in replayed:
+            vocabs = {n: candidate_vocab(target, n, args.draft_vocab_from or args.data_dir, Path(path)) if n else None
+                      for n in args.draft_vocab_sizes}
+            replayed[name] = vocabs, block_taus(drafter, target, rows, ws, vocabs)
+        blocks[name] = drafter, ws, *replayed[name]
+    set_weight_layout(layout, target, assistant, *(block[0] for block in blocks.values()))
     target_ms = forward_ms(target, widths, args.rounds)
     result = {"target_ms": target_ms,
-              "prompt_lookup": choose(taus["prompt_lookup"], {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
+              "prompt_lookup": choose(replayed["prompt_lookup"], {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
     if assistant is not None:
         one = forward_ms(assistant, [1], args.rounds)[1]
         result["assistant_token_ms"] = one
-        result["ar_assistant"] = choose(taus["ar_assistant"], {k: target_ms[k + 1] + k * one for k in args.ks},
+        result["ar_assistant"] = choose(replayed["ar_assistant"], {k: target_ms[k + 1] + k * one for k in args.ks},
                                         target_ms[1])
-    for name, (drafter, ws, vocabs) in blocks.items():
+    for name, (drafter, ws, vocabs, taus) in blocks.items():
         result.setdefault("block_width", {})[name] = choose_block(drafter, target, rows, ws, vocabs, target_ms,
-                                                                  args.rounds, taus[name])
+                                                                  args.rounds, taus)
     return result
 
 
@@ -198,8 +199,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = held_out_rows(args.data_dir, args.val_fraction, args.rows)
-    taus: dict = {}
-    by_layout = {layout: choose_all(args, rows, layout, taus) for layout in dict.fromkeys(args.weight_layouts)}
+    replayed: dict = {}
+    by_layout = {layout: choose_all(args, rows, layout, replayed) for layout in dict.fromkeys(args.weight_layouts)}
     layout = choose_layout(by_layout)
     result = {"rows": len(rows), **by_layout[layout], "chosen_layout": layout}
     if len(by_layout) > 1:
