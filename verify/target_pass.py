@@ -57,7 +57,7 @@ def head_logits(head, states: torch.Tensor) -> torch.Tensor:  # (b, L, H) -> (b,
     :func:`verify.hf.linear_logits` on its weight."""
     b, length, size = states.shape
     flat = states.reshape(b * length, size).to(head.weight.dtype)
-    logits = head(flat) if isinstance(head, OneDNNPackedLinear) else verify.hf.linear_logits(head.weight, flat)
+    logits = head(flat) if reads_head_once(head) else verify.hf.linear_logits(head.weight, flat)
     return logits.view(b, length, -1)
 
 
