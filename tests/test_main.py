@@ -67,6 +67,7 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
     assert names == ["data", "train uniform", "train l2r_all", "train ar_assistant", "choose K",
                      *(f"eval {d}" for d in drafters), "speed", "report"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
+    assert log["machine"]["matmul_gflops_start"] > 0 and log["machine"]["matmul_gflops_end"] > 0  # the yardstick
     by_name = {c[0]: c[2] for c in calls}
     assert by_name["data"][0] == by_name["train l2r_all"][0] == "experiment=smollm2"
     assert by_name["train ar_assistant"][:2] == ["--config-name", "train_assistant_smollm2"]
@@ -123,7 +124,9 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:4] == [
         "0", "4096", "--draft-vocab-from", answers]
     assert by_name["choose K"][by_name["choose K"].index("--weight-layouts") + 1:][:2] == ["row_major", "onednn_packed"]
-    assert "weight_layout=onednn_packed" in by_name["speed"]  # the layout choose_k chose: the speed stage's decoding
+    for name in ("speed", *(f"eval {d}" for d in drafters)):  # the layout choose_k chose: every evaluation's
+        assert "weight_layout=onednn_packed" in by_name[name], name
+    assert not any("weight_layout" in a for a in by_name["train l2r_all"])  # training keeps its gradients' layout
     assert {"drafters.l2r_all_long.draft_vocab_size=8192",
             f"drafters.l2r_all_long.draft_vocab_from={answers}"} <= set(by_name["speed"])
     assert not any("max_draft_tokens" in a or "draft_vocab" in a for a in by_name["eval l2r_all_long"])  # τ: all

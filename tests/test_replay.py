@@ -95,6 +95,22 @@ def test_greedy_answers_are_cached_and_evaluate_dispatches_t0(setup, tmp_path, m
     assert out["chat"]["t0"]["replayed"]
 
 
+def test_greedy_answers_are_cached_per_weight_layout(setup, tmp_path, monkeypatch):
+    """A layout's float rounding can flip a near-tied greedy token, so another layout's answers are decoded anew;
+    row_major keeps the key it had before layouts existed (caches made then stay valid)."""
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, _ = setup
+    prompts = _suites()["chat"]
+    paths = {layout: replay._answers_path(target, tok, prompts, "chat", _settings(weight_layout=layout))
+             for layout in ("row_major", "onednn_packed")}
+    assert paths["row_major"] != paths["onednn_packed"]
+    assert paths["row_major"] == replay._answers_path(target, tok, prompts, "chat", _settings())
+    assert paths["row_major"].name == "chat-" + replay.settings_hash(
+        replay.target_weights_sha1(target), str(next(target.parameters()).dtype), "chat",
+        [[p.id, list(p.turns)] for p in prompts], 24, 40, 1, _settings().use_chat_template,
+        replay.eos_token_ids(target, tok)) + ".json"
+
+
 def test_what_cannot_be_replayed_is_refused(setup, tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
     tok, target, drafters = setup

@@ -47,7 +47,7 @@ from drafters.training.optim import warmup_cosine
 from drafters.training.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
-from experiments.pipeline.records import machine
+from experiments.pipeline.records import machine, matmul_gflops, median_seconds
 
 LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
 
@@ -139,33 +139,22 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
     return result
 
 
-def _median_seconds(fn, reps: int = 5) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 @torch.no_grad()
 def bench_reference(target, args, batch) -> dict:
     """The float32 matmul rate at the target's widths, and the feature pass's rate against it (module doc)."""
     hidden, inner = target.config.hidden_size, target.config.intermediate_size
     rows = args.batch_size * args.seq_len
-    a, b = torch.randn(rows, hidden, device=args.device), torch.randn(hidden, inner, device=args.device)
-    matmul_gflops = 2 * rows * hidden * inner / _median_seconds(lambda: a @ b) / 1e9
+    matmul = matmul_gflops(rows, hidden, inner, args.device)
     body = sum(p.numel() for n, p in target.named_parameters() if "embed" not in n and "lm_head" not in n)
-    seconds = _median_seconds(lambda: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+    seconds = median_seconds(lambda: target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                              output_hidden_states=True, use_cache=False, logits_to_keep=1), reps=3)
     feature_gflops = 2 * body * rows / seconds / 1e9
-    return {"matmul_shape": [rows, hidden, inner], "matmul_gflops": round(matmul_gflops, 1),
+    return {"matmul_shape": [rows, hidden, inner], "matmul_gflops": round(matmul, 1),
             "feature_pass_tokens_per_s": round(rows / seconds, 1), "feature_pass_gflops": round(feature_gflops, 1),
-            "feature_pass_share_of_matmul": round(feature_gflops / matmul_gflops, 3)}
+            "feature_pass_share_of_matmul": round(feature_gflops / matmul, 3)}
 
 
-def _drafter_shares(results: list[dict], target, args, matmul_gflops: float) -> None:
+def _drafter_shares(results: list[dict], target, args, matmul_rate: float) -> None:
     """Each training record's drafted slots/s as GFLOP/s (forward + backward ~ 3x the forward's 2 FLOPs per
     drafter weight per slot, the LM head over the vocabulary scored) and its share of the matmul rate."""
     drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
@@ -173,7 +162,7 @@ def _drafter_shares(results: list[dict], target, args, matmul_gflops: float) -> 
     head = target.config.hidden_size * (args.train_vocab_size or target.config.vocab_size)
     for r in results:
         gflops = 6 * (weights + head) * r["tokens_per_s"] / 1e9
-        r["train_gflops"], r["train_share_of_matmul"] = round(gflops, 1), round(gflops / matmul_gflops, 3)
+        r["train_gflops"], r["train_share_of_matmul"] = round(gflops, 1), round(gflops / matmul_rate, 3)
 
 
 @torch.no_grad()

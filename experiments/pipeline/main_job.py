@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.data.suites import cache_dir
 from experiments.pipeline.paths import REPO
+from experiments.pipeline.records import machine, matmul_gflops
 from experiments.serving.engine import ServingError, vllm_python
 
 
@@ -89,7 +90,7 @@ def baseline_overrides(overrides, baseline: str, fill: dict[str, str | None]) ->
     return out
 
 
-SPEED = "<speed>"  # the key of _choose_k's overrides for the speed stage's decoding (no drafter's name has brackets)
+LAYOUT = "<layout>"  # the key of _choose_k's overrides for every evaluation's weight layout (no drafter has brackets)
 _MADE_BY = {"data_dir": "the drafters' data folder, known from a trained loss's train_summary.json: train at "
                         "least one loss",
             "assistant_dir": "the assistant of `assistant:`; set assistant.config_name or assistant.path"}
@@ -138,7 +139,8 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
     """With ``choose_k``: each of prompt_lookup and ar_assistant's best K, and each timed block drafter's best W (and
     candidate vocabulary, ``choose_k.draft_vocab_sizes``) on the held-out training answers
     (``experiments.pipeline.choose_k``, ``<run dir>/choose_k.json``), as evaluation overrides by drafter, and the
-    weight layout chosen among ``choose_k.weight_layouts`` as the speed stage's (key :data:`SPEED`); ``{}`` without."""
+    weight layout chosen among ``choose_k.weight_layouts`` as every evaluation's (key :data:`LAYOUT`): the speed
+    stage's, and the τ evaluations' since they decode the same products, in larger batches; ``{}`` without."""
     wanted = [b for b in ("prompt_lookup", "ar_assistant") if b in cfg.baselines]
     spec = cfg.get("choose_k")
     if not spec or not wanted:
@@ -163,7 +165,7 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
         overrides[name] = [f"drafter.max_draft_tokens={int(c['chosen_k'])}", *(
             [f"drafter.draft_vocab_size={vocab}", f"drafter.draft_vocab_from={vocab_from}"] if vocab else [])]
     if "chosen_layout" in chosen:
-        overrides[SPEED] = [f"weight_layout={chosen['chosen_layout']}"]
+        overrides[LAYOUT] = [f"weight_layout={chosen['chosen_layout']}"]
     return overrides
 
 
@@ -184,17 +186,18 @@ def speed_arguments(name: str, args: list[str]) -> list[str]:
 def _evaluate(cfg: DictConfig, run_dir: Path, drafters: dict[str, list[str]], blocks: dict,
               chosen: dict[str, list[str]], log: dict) -> list[str]:
     """τ of every drafter (``eval/<name>``), then the speed at batch 1 of the timed ones against one timing of the
-    target alone (``experiments.speed`` into ``speed/<name>``); returns the timed ones."""
-    evaluate = [f"target={cfg.eval_target}", *cfg.common_overrides]
+    target alone (``experiments.speed`` into ``speed/<name>``), all with the weight layout chosen (``chosen[LAYOUT]``);
+    returns the timed ones."""
+    evaluate, layout = [f"target={cfg.eval_target}", *cfg.common_overrides], chosen.get(LAYOUT, [])
     for name, args in drafters.items():
         stage(f"eval {name}", "experiments.evaluate",
-              [*evaluate, *args, *cfg.evaluate_overrides, f"hydra.run.dir={run_dir / 'eval' / name}"], log)
+              [*evaluate, *args, *layout, *cfg.evaluate_overrides, f"hydra.run.dir={run_dir / 'eval' / name}"], log)
     if cfg.get("speed_overrides") is None:
         return []
     timed = _timed(cfg, drafters)
     if timed:
         each = [a for n in timed for a in speed_arguments(n, [*drafters[n], *(chosen.get(n, []) if n in blocks else [])])]
-        stage("speed", "experiments.speed", [*evaluate, *each, *chosen.get(SPEED, []), *cfg.speed_overrides,
+        stage("speed", "experiments.speed", [*evaluate, *each, *layout, *cfg.speed_overrides,
                                              f"hydra.run.dir={run_dir / 'speed'}"], log)
     return timed
 
@@ -249,7 +252,8 @@ def run_main_job(cfg: DictConfig) -> dict:
     t0 = time.time()  # before the config resolves: resolving it may convert the target (experiments.data.smollm2)
     run_dir = Path(cfg.paths.run_dir).resolve()
     science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
-    log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True)}
+    log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True),
+           "machine": {**machine(), "matmul_gflops_start": round(matmul_gflops(), 1)}}
     shipped, assistant = shipped_drafters(cfg), assistant_dir(cfg, run_dir)  # what is missing is named first
     blocks = {loss: run_dir / "train" / loss / "drafter" for loss in cfg.losses} | shipped  # a W each
     served = served_drafter(cfg, blocks)
@@ -265,6 +269,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     _serve_check(cfg, run_dir, served, blocks, log)
     report_dir = _reports(cfg, run_dir, drafters, timed, log)
     log["total_seconds"] = round(time.time() - t0, 1)
+    log["machine"]["matmul_gflops_end"] = round(matmul_gflops(), 1)
     (run_dir / "main_summary.json").write_text(portable_summary(log, run_dir))
     print("\n" + (report_dir / "report.md").read_text(), flush=True)
     if served and (run_dir / "serve" / served / "serve_check.md").is_file():
@@ -273,4 +278,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     for s in log["stages"]:
         print(f"  {s['stage']:<24s} {s['seconds'] / 60:6.1f} min")
     print(f"  {'total':<24s} {log['total_seconds'] / 60:6.1f} min   (plots and tables in {report_dir})")
+    rates = log["machine"]
+    print(f"  on {rates['cpu']} ({rates['isa']}, {rates['threads']} threads): float32 matmul "
+          f"{rates['matmul_gflops_start']:.0f} GFLOP/s at the start, {rates['matmul_gflops_end']:.0f} at the end")
     return log

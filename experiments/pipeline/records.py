@@ -14,6 +14,7 @@ import hashlib
 import json
 import platform
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,26 @@ def machine() -> dict:
     (``isa``: e.g. AVX2 or AVX512; speed ratios differ between them, not only absolute speeds), torch, threads."""
     return {"platform": platform.platform(), "cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def median_seconds(fn, reps: int = 5) -> float:
+    """The median wall time of ``reps`` calls of ``fn``, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def matmul_gflops(rows: int = 1536, inner: int = 576, outer: int = 1536, device: str = "cpu") -> float:
+    """A machine's yardstick: the GFLOP/s of a plain float32 matmul ``(rows, inner) @ (inner, outer)`` at the
+    current thread count (the default shape: SmolLM2-135M's MLP over 4 rows of 384 tokens). Machines of one kind
+    differ by up to ~3x in it, so a wall time is read beside it."""
+    a, b = torch.randn(rows, inner, device=device), torch.randn(inner, outer, device=device)
+    return 2 * rows * inner * outer / median_seconds(lambda: a @ b) / 1e9
 
 
 def write_record(doc: dict, out: str | Path) -> dict:

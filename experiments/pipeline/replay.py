@@ -152,7 +152,9 @@ def _answers_path(target, tokenizer, prompts: Sequence[Prompt], suite: str, sett
     """Where the greedy answers of these prompts under these settings are cached (a hash of all that decides them)."""
     key = settings_hash(target_weights_sha1(target), str(next(target.parameters()).dtype), suite,
                         [[p.id, list(p.turns)] for p in prompts], settings.max_new_tokens, settings.max_prompt_tokens,
-                        settings.batch_size, settings.use_chat_template, eos_token_ids(target, tokenizer))
+                        settings.batch_size, settings.use_chat_template, eos_token_ids(target, tokenizer),
+                        # a layout's float rounding can flip a near-tied token (row_major: the key it always had)
+                        *([settings.weight_layout] if settings.weight_layout != "row_major" else []))
     return cache_dir() / "greedy" / f"{suite}-{key}.json"
 
 
