@@ -20,13 +20,9 @@ Training (:meth:`DFlashDrafter.forward_train`) and drafting (reset / extend / dr
 run the same layer (:class:`drafters.layers.DrafterLayer`) over the keys/values of
 :meth:`DFlashDrafter.context_kv`, and the same LM head (:meth:`DFlashDrafter.head`).
 
-Drafting keeps, per drafter layer, the rotated keys/values of every column appended so far (holes included, masked
-out by the column mask). Context features depend on the columns only, so these never need recomputing: a draft
-step runs the B block slots only. Keys, values and the column mask live in buffers with spare columns:
-:meth:`DFlashDrafter.extend` writes the new columns in place, and a draft writes the block's own keys/values just
-past the cached columns (:class:`drafters.layers.CachedContext`), so that attention reads one view and no step
-copies the cache. How many slots a step verifies, and whether a row copies a lookup hint instead, is decoding
-policy (:class:`drafters.policy.PolicyDrafter`).
+Drafting appends each committed column's context keys/values once (:meth:`DFlashDrafter.extend`, into a
+:class:`drafters.draft_cache.DraftCache`), so a draft step runs the B block slots only. How many slots a step
+verifies, and whether a row copies a lookup hint instead, is decoding policy (:class:`drafters.policy.PolicyDrafter`).
 
 Without variants this class is the DFlash drafter: what the DFlash serving format expresses
 (:mod:`drafters.dflash`). Research variants (layerwise context, lookup hints, anchor policies, refinement;
@@ -50,6 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from drafters.config import FINGERPRINT_KEYS, DrafterConfig, target_fingerprint
+from drafters.draft_cache import DraftCache
 from drafters.integrity import write_record
 from drafters.layers import (
     BlockContext,
@@ -61,7 +58,6 @@ from drafters.layers import (
     draft_block_mask,
     rope_cos_sin,
 )
-from drafters.shared_cache import same_keys_values
 from verify import hf as verify_hf
 from verify.rejection import sample_tokens, warp_probs
 
@@ -154,8 +150,7 @@ class DFlashDrafter(nn.Module):
         self.after_init()
         # The frozen target, kept outside the module tree: not in state_dict(), parameters() or .to().
         object.__setattr__(self, "_target", None)
-        self._cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._cache_mask: torch.Tensor | None = None
+        self._cache: DraftCache | None = None  # drafting's columns, from reset
 
     # ---- variants ---------------------------------------------------------------------------------
 
@@ -478,21 +473,23 @@ class DFlashDrafter(nn.Module):
         ok = ok.long().cumprod(-1).bool()  # a hole ends the block's labels
         return labels.masked_fill(~ok, 0), ok
 
-    # ---- drafting: the verify.drafter.Drafter protocol over a per-layer key/value cache ------------
+    # ---- drafting: the verify.drafter.Drafter protocol over a DraftCache ---------------------------
 
     def reset(self, batch_size: int) -> None:
-        self._columns = 0
-        self._kv_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, h_kv, cap, d)
-        self._target_layers: list | None = None  # the target cache's layers offered by bind_target_cache
-        self._shared = False  # whether _target_layers' buffers are the context keys/values (decided at the first extend)
-        self._mask_buffer = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.weight_ref.device)
-        self._ids_buffer = torch.zeros(batch_size, 0, dtype=torch.long, device=self.weight_ref.device)
-        self._set_views()
+        cfg = self.config
+        self._cache = DraftCache(batch_size, len(self.layers), cfg.num_kv_heads, cfg.head_dim, self.weight_ref)
+
+    @property
+    def draft_cache(self) -> DraftCache:
+        """The columns appended since :meth:`reset` (:class:`drafters.draft_cache.DraftCache`)."""
+        if self._cache is None:
+            raise RuntimeError("drafter cache is empty: call reset(batch_size) before extend/draft")
+        return self._cache
 
     @property
     def shares_target_cache(self) -> bool:
         """Whether the context keys/values are read from the target's KV cache (see :meth:`bind_target_cache`)."""
-        return bool(getattr(self, "_shared", False))
+        return self._cache is not None and self._cache.shared
 
     def bind_target_cache(self, cache) -> None:
         """Offer the target's KV cache (the verifier, after :meth:`reset` and before the first :meth:`extend`).
@@ -502,77 +499,15 @@ class DFlashDrafter(nn.Module):
         the target's cache from then on (the verifier crops it to the committed columns and selects its rows
         before calling :meth:`extend` and :meth:`select_rows`), else it keeps its own as without the offer.
         """
-        self._require_cache()
-        if self._columns:
-            raise RuntimeError("bind_target_cache comes after reset and before the first extend")
         # hook (layerwise): the target cache's layers holding this drafter's context keys/values, if they could;
         # None: the fused DFlash context is never the target's
         hook = self.hook("shareable_layers")
-        self._target_layers = hook(cache) if hook else None
-
-    def _decide_sharing(self, hidden_states, position_ids) -> None:
-        """At the first extend after :meth:`bind_target_cache`: share the target's cache if its last columns
-        (up to 4) hold this drafter's own keys/values."""
-        if self._target_layers is None or self._shared:
-            return
-        m = min(4, position_ids.shape[1])
-        kv = self.context_kv([h[:, -m:] for h in hidden_states], position_ids[:, -m:])
-        self._shared = same_keys_values(kv, self._target_layers, self._columns + position_ids.shape[1])
-        if not self._shared:
-            self._target_layers = None
-
-    def _kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per layer (keys, values) buffers (B, h_kv, capacity, d): the drafter's own, or the target cache's."""
-        return [layer.buffers for layer in self._target_layers] if self._shared else self._kv_buffers
-
-    def _set_views(self) -> None:
-        cfg, c, kv = self.config, self._columns, self._kv()
-        if kv is None:
-            empty = self.weight_ref.new_zeros(self._mask_buffer.shape[0], cfg.num_kv_heads, 0, cfg.head_dim)
-            self._cache_kv = [(empty, empty) for _ in self.layers]
-        else:
-            self._cache_kv = [(k[:, :, :c], v[:, :, :c]) for k, v in kv]
-        self._cache_mask = self._mask_buffer[:, :c]
-
-    def _reserve(self, columns: int) -> None:
-        """Room for ``columns`` columns in the buffers (they grow by a quarter, at least 64 columns)."""
-        if self._shared:  # the block's scratch keys/values go just past the target's cached columns
-            for layer in self._target_layers:
-                layer.ensure_capacity(columns)
-        capacity = self._mask_buffer.shape[1]
-        # Buffers made under torch.inference_mode cannot be written outside it: copy them then.
-        stale = self._mask_buffer.is_inference() and not torch.is_inference_mode_enabled()
-        if columns <= capacity and not stale:
-            return
-        if columns > capacity:
-            capacity = columns + max(64, columns // 4)
-        cfg, c, w = self.config, self._columns, self.weight_ref
-        rows = self._mask_buffer.shape[0]
-        mask = torch.zeros(rows, capacity, dtype=torch.bool, device=w.device)
-        mask[:, :c] = self._mask_buffer[:, :c]
-        ids = torch.zeros(rows, capacity, dtype=torch.long, device=w.device)
-        ids[:, :c] = self._ids_buffer[:, :c]
-        self._mask_buffer, self._ids_buffer = mask, ids
-        if self._shared:
-            return
-        buffers = []
-        for i in range(len(self.layers)):
-            k = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
-            v = w.new_empty(rows, cfg.num_kv_heads, capacity, cfg.head_dim)
-            if self._kv_buffers is not None and c > 0:
-                k[:, :, :c] = self._kv_buffers[i][0][:, :, :c]
-                v[:, :, :c] = self._kv_buffers[i][1][:, :, :c]
-            buffers.append((k, v))
-        self._kv_buffers = buffers
-
-    def _require_cache(self) -> None:
-        if self._cache_kv is None or self._cache_mask is None:
-            raise RuntimeError("drafter cache is empty: call reset(batch_size) before extend/draft")
+        self.draft_cache.offer(hook(cache) if hook else None)
 
     def _check_extend(self, attention_mask, hidden_states) -> None:
         rows, n = attention_mask.shape
-        if rows != self._cache_mask.shape[0]:
-            raise ValueError(f"extend got {rows} rows, the cache holds {self._cache_mask.shape[0]}")
+        if rows != self.draft_cache.rows:
+            raise ValueError(f"extend got {rows} rows, the cache holds {self.draft_cache.rows}")
         if hidden_states is None or len(hidden_states) != len(self.target_layer_ids):
             got = None if hidden_states is None else len(hidden_states)
             raise ValueError(f"extend needs {len(self.target_layer_ids)} hidden states (target_layer_ids "
@@ -584,35 +519,19 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def extend(self, input_ids, attention_mask, position_ids, hidden_states) -> None:
         """Append n columns: input_ids/attention_mask/position_ids (B, n); hidden_states L x (B, n, H)."""
-        self._require_cache()
+        cache = self.draft_cache
         self._check_extend(attention_mask, hidden_states)
-        rows, n = attention_mask.shape
+        n = attention_mask.shape[1]
         if n == 0:
             return
-        self._decide_sharing(hidden_states, position_ids)
-        c = self._columns
-        self._reserve(c + n + self.config.block_size)  # room for the next draft's block too
-        if self._shared:  # the target has cached these columns' keys/values: check it holds exactly them
-            if any(layer.keys.shape[-2] != c + n or layer.keys.shape[0] != rows for layer in self._target_layers):
-                raise RuntimeError(f"the shared target cache holds {tuple(self._target_layers[0].keys.shape)} "
-                                   f"(B, h_kv, columns, d), expected {rows} rows and {c + n} columns")
-        else:
-            for (k_buffer, v_buffer), (k, v) in zip(self._kv_buffers, self.context_kv(hidden_states, position_ids)):
-                k_buffer[:, :, c : c + n] = k
-                v_buffer[:, :, c : c + n] = v
-        self._mask_buffer[:, c : c + n] = attention_mask.bool()
-        self._ids_buffer[:, c : c + n] = input_ids
-        self._columns = c + n
-        self._set_views()
+        if cache.awaits_sharing_check:  # after bind_target_cache: compare the last columns (up to 4)
+            m = min(4, n)
+            cache.decide_sharing(self.context_kv([h[:, -m:] for h in hidden_states], position_ids[:, -m:]), n)
+        cache.reserve(cache.columns + n + self.config.block_size)  # room for the next draft's block too
+        cache.append(None if cache.shared else self.context_kv(hidden_states, position_ids), attention_mask, input_ids)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self._require_cache()
-        if self._shared and self._target_layers[0].keys.shape[0] != rows.shape[0]:
-            raise RuntimeError("select the shared target cache's rows (batch_select_indices) before the drafter's")
-        if self._kv_buffers is not None:
-            self._kv_buffers = [(k[rows], v[rows]) for k, v in self._kv_buffers]
-        self._mask_buffer, self._ids_buffer = self._mask_buffer[rows], self._ids_buffer[rows]
-        self._set_views()
+        self.draft_cache.select_rows(rows)
 
     # ---- one block per row ------------------------------------------------------------------------
 
@@ -620,13 +539,10 @@ class DFlashDrafter(nn.Module):
                      width: int | None = None) -> Block:
         """The :class:`Block` of one block per row after every cached column: anchor_ids, anchor_position_ids
         (B,) long; cut to the columns that draft slots 1..``width`` (default K: the whole block)."""
-        self._require_cache()
-        cfg = self.config
-        rows, c = self._mask_buffer.shape[0], self._columns
+        cfg, cache = self.config, self.draft_cache
+        rows, c = cache.rows, cache.columns
         bs = cfg.block_size if width is None else width + 1
-        self._reserve(c + bs)
-        self._mask_buffer[:, c : c + bs] = True  # block slots: past the cached columns, see each other
-        mask = draft_block_mask(self._mask_buffer[:, : c + bs], self.own_mask(bs, self._mask_buffer.device))
+        mask = draft_block_mask(cache.open_block(bs), self.own_mask(bs, anchor_ids.device))
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, N) [anchor, MASK x (N - 1)]
         ids[:, 0] = anchor_ids.reshape(rows)
         # hook (hints): fill slots 1.. of ids in place and return the Block.hints (DFlash: MASK, None)
@@ -639,7 +555,7 @@ class DFlashDrafter(nn.Module):
         """States (b, K', H) of the drafted slots of ``block`` (the LM head's input) for ``rows`` (b,) long,
         default every row. Other rows' cached columns are copied, not computed on."""
         ids, cos, sin, columns, mask, _ = block
-        kv = self._kv()
+        kv = self.draft_cache.kv_buffers()
         if rows is not None:  # the block's own keys/values are scratch: writing them into a copy is fine
             end = columns + ids.shape[1]
             ids, cos, sin, mask = ids[rows], cos[rows], sin[rows], mask[rows]

@@ -19,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from drafters import DrafterConfig, DraftingPolicy, PolicyDrafter, factory
 from drafters.checks import target_weights_sha1
 from drafters.config import default_target_layer_ids
+from drafters.draft_cache import DraftCache
 from drafters.hints import HintStore
 from drafters.model import DFlashDrafter
 from drafters.variants import REGISTRY
@@ -544,3 +545,24 @@ def test_copy_target_layers_first_and_last():
     assert torch.equal(drafter.layers[0].input_norm.weight, layers[2].input_layernorm.weight)
     with pytest.raises(ValueError, match=">= 4 decoder layers"):
         copy_target_layers(drafter, target, first=3)
+
+
+def test_the_draft_cache_keeps_its_columns_as_it_grows_and_when_rows_are_selected():
+    torch.manual_seed(0)
+    cache = DraftCache(rows=3, num_layers=2, num_kv_heads=1, head_dim=4, like=torch.zeros(1))
+    keys, ids = [], []
+    for n in (5, 70, 2):  # the second append grows the buffers past their first capacity
+        cache.reserve(cache.columns + n)
+        kv = [(torch.randn(3, 1, n, 4), torch.randn(3, 1, n, 4)) for _ in range(2)]
+        ids.append(torch.randint(0, 9, (3, n)))
+        cache.append(kv, torch.rand(3, n) > 0.3, ids[-1])
+        keys.append(kv[1][0])
+    keys, ids = torch.cat(keys, dim=2), torch.cat(ids, dim=1)
+    assert cache.columns == 77 and cache.mask_buffer.shape[1] >= 75 + 64  # grown by at least 64 columns
+    assert torch.equal(cache.kv_buffers()[1][0][:, :, :77], keys) and torch.equal(cache.ids, ids)
+    cache.select_rows(torch.tensor([2, 0]))
+    assert cache.rows == 2 and torch.equal(cache.kv_buffers()[1][0][:, :, :77], keys[[2, 0]])
+    assert torch.equal(cache.ids, ids[[2, 0]])
+    assert cache.open_block(3).shape == (2, 80) and cache.open_block(3)[:, 77:].all()  # a block sees itself
+    with pytest.raises(RuntimeError, match="before the first extend"):
+        cache.offer([])

@@ -48,7 +48,8 @@ class LookupHints(Variant):
     def slot_inputs(self, drafter, ids: torch.Tensor, columns: int):
         """The hints of the committed tokens (holes dropped) and the anchor, as training reads them, into
         ids[:, 1:]; all K of them are returned as the block's ``hints``."""
-        rows = compact_rows(drafter._ids_buffer[:, :columns], drafter._mask_buffer[:, :columns], ids[:, 0])
+        cache = drafter.draft_cache
+        rows = compact_rows(cache.ids_buffer[:, :columns], cache.mask_buffer[:, :columns], ids[:, 0])
         slots, ngram, store = self.hinted_slots(drafter, *rows)
         ids[:, 1:] = slots[:, 0, : ids.shape[1] - 1]
         return slots[:, 0], ngram[:, 0], store[:, 0]  # (B, K), (B,), (B,)
