@@ -199,6 +199,12 @@ def plot_position_acceptance(report: dict, path: Path, min_steps: int = 10) -> P
     return _save(plt, fig, axes, names, path)
 
 
+def _plain_numbers():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda x, _: f"{x:g}")
+
+
 def _integer_locator():
     from matplotlib.ticker import MaxNLocator
 
@@ -307,6 +313,44 @@ def plot_data_scale(doc: dict, path: Path) -> Path:
     axes[0].set_ylabel("accepted length τ")
     axes[0].set_title("τ against the training answers, equal steps")
     axes[1].set_title("τ along the long runs, all the answers")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_reach(doc: dict, path: Path) -> Path:
+    """τ at each drafter's chosen width against training hours (log2 scale, :mod:`experiments.reporting.reach`):
+    the measured budgets (markers), each line (solid over the measured hours, dotted beyond, up to the furthest
+    crossing), and a constant for a drafter that trains nothing."""
+    plt = _pyplot()
+    names = list(doc["points"])
+    colors = _colors(names)
+    trained = [b["hours"] for d in doc["points"].values() for b in d["budgets"] if b["hours"] > 0]
+    ends = [r["hours"] for row in doc["reach"].values() for r in row.values() if r["hours"]]
+    lo, hi = min(trained), max([*trained, *ends]) * 1.2
+    fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
+    for name, d in doc["points"].items():
+        w = str(d["chosen_width"])
+        ln = doc["lines"][name].get(w)
+        pts = [(b["hours"], b["tau"][w]["mean"]) for b in d["budgets"] if w in b["tau"] and b["hours"] > 0]
+        label = f"{name}, width {w}"
+        if pts:
+            ax.plot(*zip(*pts), "o", color=colors[name], label=label)
+            label = None
+        if ln is None:
+            continue
+        seen = max(p[0] for p in pts) if ln["budgets"] > 1 else hi  # a constant is measured everywhere
+        for x0, x1, style in ((lo, seen, "-"), (seen, hi, ":")):
+            xs = np.geomspace(x0, x1, 20)
+            ax.plot(xs, ln["a"] + ln["b"] * np.log2(xs), style, color=colors[name], label=label)
+            label = None
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(_plain_numbers())
+    ax.set_xlabel("training hours (log2 scale)")
+    ax.set_ylabel("accepted length τ (T=0, suites' mean)")
+    ax.set_title(f"When does {doc['subject']} pass the others?")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

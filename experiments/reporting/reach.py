@@ -1,0 +1,147 @@
+"""How much more training a drafter needs to pass another (issue 50): τ at each width against training hours, a line
+in log2(hours) per drafter and width, and the hours at which one drafter's line passes another's.
+
+The points come from a spec (JSON) that names, for each drafter, the width chosen for it and, per training budget,
+its hours and the evaluation of each width (``results.json`` folders, relative to the spec), e.g.::
+
+    {"suites": ["humaneval", "gsm_symbolic", "mtbench"], "temperature": 0.0, "subject": "l2r_all_long",
+     "drafters": {
+       "l2r_all_long": {"chosen_width": 3, "budgets": [
+           {"hours": 2.72, "steps": 20000, "from": "a1b1465:experiments/assets/l2r_all_long",
+            "evals": {"1": "evals/l2r20_w1", "2": "evals/l2r20_w2"}}, ...]},
+       "prompt_lookup": {"chosen_width": 3, "budgets": [{"hours": 0, "evals": {"3": "evals/pl_k3"}}]}}}
+
+A drafter with one budget is a constant (prompt lookup trains nothing); two or more budgets give a least-squares
+line τ = a + b·log2(hours). With two budgets the line goes through both points: it is a cost model, not a fit
+with an interval, and the report says so. Outputs ``reach.json``, ``reach.md`` and ``reach.png``.
+
+    python -m experiments.reporting.reach <spec.json> [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from experiments.reporting.data_scale import suites_tau
+from experiments.reporting.plots import plot_reach
+
+
+def _points(spec: dict, root: Path) -> dict[str, dict]:
+    """``{drafter: {"chosen_width", "budgets": [{hours, steps?, from?, tau: {width: {suite: τ, mean}}}]}}``."""
+    out = {}
+    for name, d in spec["drafters"].items():
+        budgets = []
+        for b in d["budgets"]:
+            taus = {}
+            for width, folder in b["evals"].items():
+                tau = suites_tau(root / folder / "results.json", spec["suites"], spec.get("temperature", 0.0))
+                if tau is None:
+                    raise ValueError(f"{root / folder / 'results.json'}: no T={spec.get('temperature', 0.0)} τ for "
+                                     f"every suite of {spec['suites']} (drafter {name!r}, width {width})")
+                taus[str(width)] = tau
+            budgets.append({**{k: v for k, v in b.items() if k != "evals"}, "tau": taus})
+        out[name] = {"chosen_width": d["chosen_width"], "budgets": sorted(budgets, key=lambda b: b["hours"])}
+    return out
+
+
+def line(budgets: Sequence[dict], width: str) -> dict | None:
+    """τ = a + b·log2(hours) through the budgets that evaluated ``width`` (least squares); a constant for one
+    budget; None for none."""
+    pts = [(b["hours"], b["tau"][width]["mean"]) for b in budgets if width in b["tau"]]
+    if not pts:
+        return None
+    if len(pts) == 1:
+        return {"a": pts[0][1], "b": 0.0, "budgets": 1}
+    x, y = np.log2([p[0] for p in pts]), np.array([p[1] for p in pts])
+    b, a = np.polyfit(x, y, 1)
+    return {"a": round(float(a), 4), "b": round(float(b), 4), "budgets": len(pts)}
+
+
+def crossing_hours(subject: dict, rival: dict) -> float | None:
+    """The hours from which ``subject``'s line stays at or above ``rival``'s (both at equal hours; earlier than
+    now when it is already ahead); None when it never does: the rival's line rises as fast or faster and is not
+    below, or rises faster and so ends ahead whatever it is now."""
+    if subject["b"] == rival["b"]:
+        return 0.0 if subject["a"] >= rival["a"] else None
+    if subject["b"] < rival["b"]:
+        return None
+    return float(2 ** ((rival["a"] - subject["a"]) / (subject["b"] - rival["b"])))
+
+
+def analyse(spec: dict, root: Path) -> dict:
+    """Every drafter's points and lines; for the subject at its chosen width, the hours to reach each rival at the
+    rival's chosen width and at the subject's."""
+    points = _points(spec, root)
+    widths = sorted({w for d in points.values() for b in d["budgets"] for w in b["tau"]}, key=int)
+    lines = {n: {w: ln for w in widths if (ln := line(d["budgets"], w)) is not None} for n, d in points.items()}
+    subject = spec["subject"]
+    sw = str(points[subject]["chosen_width"])
+    now = points[subject]["budgets"][-1]["hours"]
+    reach = {}
+    for rival, d in points.items():
+        if rival == subject:
+            continue
+        row = {}
+        for label, rw in (("rival_chosen_width", str(d["chosen_width"])), ("equal_width", sw)):
+            if rw in lines[rival] and sw in lines[subject]:
+                h = crossing_hours(lines[subject][sw], lines[rival][rw])
+                row[label] = {"rival_width": int(rw), "hours": None if h is None else round(h, 2),
+                              "times_now": None if h is None else round(h / now, 2)}
+        reach[rival] = row
+    return {"suites": spec["suites"], "temperature": spec.get("temperature", 0.0), "subject": subject,
+            "subject_width": int(sw), "subject_hours_now": now, "points": points, "lines": lines, "reach": reach}
+
+
+def _cell(tau: dict | None, chosen: bool) -> str:
+    if tau is None:
+        return ""
+    return f"**{tau['mean']:.3f}**" if chosen else f"{tau['mean']:.3f}"
+
+
+def markdown(doc: dict) -> list[str]:
+    widths = sorted({w for d in doc["points"].values() for b in d["budgets"] for w in b["tau"]}, key=int)
+    rows = ["| drafter | hours | " + " | ".join(f"τ at {w}" for w in widths) + " |",
+            "|---|---|" + "---|" * len(widths)]
+    for name, d in doc["points"].items():
+        for b in d["budgets"]:
+            cells = [_cell(b["tau"].get(w), int(w) == d["chosen_width"]) for w in widths]
+            rows.append(f"| {name} | {b['hours']:g} | " + " | ".join(cells) + " |")
+    rows += ["", (f"Bold: the width chosen for each drafter. The lines τ = a + b·log2(hours) (a line through the "
+                  f"points where a drafter has two budgets: a cost model, not a fit with an interval) say when "
+                  f"{doc['subject']} at width {doc['subject_width']} reaches each rival (now: "
+                  f"{doc['subject_hours_now']:g} h):"), ""]
+    for rival, row in doc["reach"].items():
+        for label, r in row.items():
+            when = ("never at these slopes" if r["hours"] is None else
+                    f"{r['hours']:g} h ({r['times_now']:g}× now)" + (": ahead already" if r["times_now"] <= 1 else ""))
+            rows.append(f"- {rival} at width {r['rival_width']} ({label.replace('_', ' ')}): {when}")
+    return rows
+
+
+def write(doc: dict, out: str | Path) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reach.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "reach.md").write_text("\n".join(markdown(doc)) + "\n")
+    plot_reach(doc, out / "reach.png")
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("--out", type=Path, help="default: the spec's folder")
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    doc = write(analyse(spec, args.spec.parent), args.out or args.spec.parent)
+    print("\n".join(markdown(doc)))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""experiments.reporting.reach: lines in log2(hours), the hours one drafter's line passes another's, the report."""
+
+import json
+
+import pytest
+
+from experiments.pipeline.records import temperature_key
+from experiments.reporting import reach
+
+SUITES = ["a", "b"]
+
+
+def _eval(root, name, taus):
+    folder = root / name
+    folder.mkdir(parents=True)
+    results = {s: {temperature_key(0.0): {"tau": t}} for s, t in zip(SUITES, taus)}
+    (folder / "results.json").write_text(json.dumps({"results": results}))
+    return name
+
+
+def _spec(tmp_path):
+    # subject: mean τ 1.5 at 2 h and 1.6 at 8 h (+0.05 per doubling); lookup: 1.7 at any hours;
+    # rival: 1.55 at 2 h and 1.75 at 8 h (+0.1 per doubling)
+    return {"suites": SUITES, "subject": "drafter", "drafters": {
+        "drafter": {"chosen_width": 2, "budgets": [
+            {"hours": 8, "evals": {"2": _eval(tmp_path, "d8", [1.5, 1.7])}},
+            {"hours": 2, "evals": {"2": _eval(tmp_path, "d2", [1.4, 1.6])}}]},
+        "lookup": {"chosen_width": 2, "budgets": [{"hours": 0, "evals": {"2": _eval(tmp_path, "l", [1.6, 1.8])}}]},
+        "rival": {"chosen_width": 2, "budgets": [
+            {"hours": 2, "evals": {"2": _eval(tmp_path, "r2", [1.5, 1.6])}},
+            {"hours": 8, "evals": {"2": _eval(tmp_path, "r8", [1.7, 1.8])}}]}}}
+
+
+def test_the_subject_reaches_a_constant_where_its_line_does_and_never_a_rival_that_rises_faster(tmp_path):
+    doc = reach.analyse(_spec(tmp_path), tmp_path)
+    assert doc["lines"]["drafter"]["2"] == pytest.approx({"a": 1.45, "b": 0.05, "budgets": 2})
+    assert doc["lines"]["lookup"]["2"] == {"a": 1.7, "b": 0.0, "budgets": 1}
+    assert doc["subject_hours_now"] == 8
+    # 1.45 + 0.05 * log2(h) = 1.7  ->  h = 2 ** 5 = 32 h, 4x now
+    assert doc["reach"]["lookup"]["rival_chosen_width"] == {"rival_width": 2, "hours": 32.0, "times_now": 4.0}
+    assert doc["reach"]["rival"]["equal_width"]["hours"] is None
+    assert "never at these slopes" in "\n".join(reach.markdown(doc))
+
+
+def test_a_drafter_already_ahead_is_said_to_be(tmp_path):
+    spec = _spec(tmp_path)
+    spec["subject"] = "rival"  # 1.45 + 0.1 log2(h) passes the lookup's 1.7 at 2 ** 2.5 h, before its 8 h
+    doc = reach.analyse(spec, tmp_path)
+    assert doc["reach"]["lookup"]["equal_width"]["hours"] == pytest.approx(2 ** 2.5, abs=0.01)
+    assert doc["reach"]["drafter"]["equal_width"]["hours"] == pytest.approx(1.0)  # both lines read 1.45 at 1 h
+    assert "ahead already" in "\n".join(reach.markdown(doc))
+
+
+def test_crossing_hours_of_parallel_lines():
+    assert reach.crossing_hours({"a": 1.0, "b": 0.1}, {"a": 0.9, "b": 0.1}) == 0.0
+    assert reach.crossing_hours({"a": 1.0, "b": 0.1}, {"a": 1.1, "b": 0.1}) is None
+
+
+def test_an_evaluation_missing_a_suite_is_named(tmp_path):
+    spec = _spec(tmp_path)
+    spec["suites"] = [*SUITES, "c"]
+    with pytest.raises(ValueError, match=r"d8/results.json.*'drafter', width 2"):
+        reach.analyse(spec, tmp_path)
+
+
+def test_main_writes_the_json_the_table_and_the_plot(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(_spec(tmp_path)))
+    reach.main([str(spec), "--out", str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / "reach.json").read_text())["reach"]["lookup"]
+    assert "| drafter | 8 | **1.600** |" in (tmp_path / "out" / "reach.md").read_text()
+    assert (tmp_path / "out" / "reach.png").stat().st_size > 0
