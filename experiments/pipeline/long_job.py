@@ -43,6 +43,7 @@ from experiments.pipeline.main_job import portable_summary, stage
 from experiments.pipeline.records import git_commit
 from experiments.pipeline.ship import ship_assistant, ship_drafter
 from experiments.reporting import data_scale
+from experiments.reporting.runs import suites_tau
 
 SUMMARY = "long_summary.json"
 
@@ -59,7 +60,7 @@ def trained(run: Path, steps: int | None = None) -> bool:
 
 def evaluated(out: Path, suites: list[str], temperatures=(0.0,)) -> bool:
     """Whether ``out/results.json`` holds every one of ``temperatures`` for every one of ``suites``."""
-    return all(data_scale.suites_tau(out / "results.json", suites, t) is not None for t in temperatures)
+    return all(suites_tau(out / "results.json", suites, t) is not None for t in temperatures)
 
 
 class LongJob:

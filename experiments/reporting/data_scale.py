@@ -21,11 +21,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from experiments.pipeline.records import temperature_key
 from experiments.reporting.plots import plot_data_scale
-from experiments.reporting.runs import logged_metric
+from experiments.reporting.runs import logged_metric, suites_tau
 
 CURVE_RUN = re.compile(r"(?P<loss>.+)-rows(?P<rows>\d+|all)(?:-gamma(?P<gamma>[0-9.e+-]+))?$")
 HELD_OUT = "val/tau_greedy"
@@ -33,15 +30,6 @@ HELD_OUT = "val/tau_greedy"
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def suites_tau(results: Path, suites: Sequence[str], temperature: float = 0.0) -> dict | None:
-    """``{suite: τ, ..., "mean": τ}`` of an evaluation's results.json, None until every suite is there."""
-    doc, key = _read(results), temperature_key(temperature)
-    if doc is None or not all(key in doc["results"].get(s, {}) for s in suites):
-        return None
-    taus = {s: round(float(doc["results"][s][key]["tau"]), 4) for s in suites}
-    return {**taus, "mean": round(float(np.mean(list(taus.values()))), 4)}
 
 
 def _answers_points(run_dir: Path, suites: Sequence[str], gamma: float | None) -> dict[str, list[dict]]:

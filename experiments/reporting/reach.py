@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.reporting.data_scale import suites_tau
 from experiments.reporting.plots import plot_reach
+from experiments.reporting.runs import suites_tau
 
 
 def _points(spec: dict, root: Path) -> dict[str, dict]:

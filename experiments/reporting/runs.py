@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from experiments.pipeline.records import training_run_info
+from experiments.pipeline.records import temperature_key, training_run_info
 
 CURVE_METRIC = "val/tau_greedy"
+
+
+def suites_tau(results: Path, suites: Sequence[str], temperature: float = 0.0) -> dict | None:
+    """``{suite: τ, ..., "mean": τ}`` of an evaluation's results.json, None until every suite is there."""
+    doc = json.loads(results.read_text()) if results.is_file() else None
+    key = temperature_key(temperature)
+    if doc is None or not all(key in doc["results"].get(s, {}) for s in suites):
+        return None
+    taus = {s: round(float(doc["results"][s][key]["tau"]), 4) for s in suites}
+    return {**taus, "mean": round(statistics.fmean(taus.values()), 4)}
 
 
 def find_results(paths: Sequence[str | Path]) -> list[Path]:
