@@ -136,6 +136,7 @@ def test_the_vllm_backend_answers_batches_through_its_worker(tmp_path, monkeypat
 
 # ----------------------------------------------------------------------------- the real engine
 
+@pytest.mark.slow
 @pytest.mark.serving
 def test_vllm_regenerates_the_tiny_targets_answers(tmp_path, monkeypatch):
     """The real engine answers a smoke set of prompts; the rows match the in-process stage's format and the
@@ -193,7 +194,7 @@ def test_prompt_subsets_are_nested_and_keep_their_order():
 def test_a_training_prompt_subset_stands_in_for_the_whole_sets_spec():
     from experiments.pipeline import recorded_answers as ra
 
-    whole = {"sources": ["code_chat"], "per_source": 40}
+    whole = {"sources": ["dialogue"], "per_source": 40}  # a source read in a second (code_chat parses the stdlib)
     subset = corpora.training_prompt_subset(count=7, **whole)
     assert subset == corpora.prompt_subset(corpora.training_prompts(**whole), 7) and len(subset) == 7
     generation = {"prompts": {"_target_": ra.SUBSET, "count": 7, **whole}, "max_new_tokens": 256}
