@@ -123,7 +123,7 @@ def propose(logits: torch.Tensor, temperature: float, top_k, top_p, generator) -
 class DFlashDrafter(nn.Module):
     """DFlash-style block drafter; implements the :class:`verify.drafter.Drafter` protocol."""
 
-    #: The store_hints variant's n-gram store of training answers (:class:`drafters.hints.HintStore`; set by
+    #: The store_hints variant's n-gram store of training answers (:class:`drafters.variants.hint_lookup.HintStore`; set by
     #: training, saved and loaded beside the weights); None for other drafters.
     hint_store = None
 

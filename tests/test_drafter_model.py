@@ -20,9 +20,9 @@ from drafters import DrafterConfig, DraftingPolicy, PolicyDrafter, factory
 from drafters.checks import target_weights_sha1
 from drafters.config import default_target_layer_ids
 from drafters.draft_cache import DraftCache
-from drafters.hints import HintStore
 from drafters.model import DFlashDrafter
 from drafters.variants import REGISTRY
+from drafters.variants.hint_lookup import HintStore
 from verify.generate import speculative_generate
 from verify.rejection import warp_probs
 

@@ -409,8 +409,8 @@ def test_block_drafter_confidence_threshold(assets):
 def test_block_drafter_hint_data_dir(assets, tmp_path):
     """drafter.hint_data_dir: a store-hints drafter reads its hints from every answer of another data folder
     (recorded in results.json's config); a drafter without store hints, or a missing folder, is named."""
-    from drafters.hints import HintStore
     from drafters.training.datamodule import write_shard
+    from drafters.variants.hint_lookup import HintStore
     from experiments.data.target import load_target
     from experiments.pipeline.eval_drafters import block_drafter
 

@@ -1,4 +1,4 @@
-"""Lookup hints (drafters/hints.py): prompt lookup's proposal as the block slots' input tokens."""
+"""Lookup hints (drafters/variants/hint_lookup.py): prompt lookup's proposal as the block slots' input tokens."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from test_drafter_model import _run_target, build_drafter, build_target
 
 from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.dflash import DFlashFormatError, export_dflash
-from drafters.hints import compact_rows, lookup_hints
+from drafters.variants.hint_lookup import compact_rows, lookup_hints
 from verify import speculative_generate
 from verify.drafter import copy_tokens, lookup_start
 from verify.metrics import accepted_by_source
@@ -89,7 +89,7 @@ def test_export_refuses_hinted_drafters(tmp_path):
 
 def _rows_in_two_folds():
     """Two regenerated rows (input_ids, prompt_len) whose prompts fall in different folds of 2."""
-    from drafters.hints import prompt_fold
+    from drafters.variants.hint_lookup import prompt_fold
 
     prompts = [[2, 3, p] for p in range(4, 40)]
     first = prompts[0]
@@ -101,7 +101,7 @@ def test_hint_store_leaves_each_rows_own_answer_out_in_training():
     """A row of fold f reads the store of the other folds' answers (never its own); inference (folds None)
     reads every answer. The hint is the store's continuation, its last token repeated, and ngram the
     length of the suffix it rests on."""
-    from drafters.hints import HintStore
+    from drafters.variants.hint_lookup import HintStore
 
     rows = _rows_in_two_folds()
     store = HintStore(rows, num_folds=2)
@@ -125,7 +125,7 @@ def test_inference_hints_build_no_store(monkeypatch):
     """The store of every answer is built with the HintStore (load time), not by the first inference lookup:
     built there, its cost would be charged to the first timed decode (0.4 s of 3.9 s on the main job's
     HumanEval subset). The folds' stores (training) are still built on first use."""
-    from drafters import hints as hints_module
+    from drafters.variants import hint_lookup as hints_module
 
     rows = _rows_in_two_folds()
     store = hints_module.HintStore(rows, num_folds=2)
@@ -145,7 +145,7 @@ def test_inference_hints_build_no_store(monkeypatch):
 def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path):
     """store_hints: a slot whose prompt-lookup hint rests on >= 2 tokens keeps it; one on 1 token or none reads
     the store's continuation; the store is saved and loaded with the drafter; training needs prompt_len."""
-    from drafters.hints import HintStore
+    from drafters.variants.hint_lookup import HintStore
 
     target = build_target("llama")
     torch.manual_seed(1)
@@ -176,7 +176,7 @@ def test_store_hints_fill_the_weak_slots_and_are_saved_with_the_drafter(tmp_path
 def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
     """A store holding the target's greedy answer to a prompt: with follow_hint_after = 0 the drafter copies
     the store's continuation and accepts whole blocks; the output is still exactly the target's greedy."""
-    from drafters.hints import HintStore
+    from drafters.variants.hint_lookup import HintStore
 
     target = tiny_target("llama", vocab_size=64)
     torch.manual_seed(7)
@@ -200,7 +200,7 @@ def test_store_hints_copy_the_stores_answer_and_keep_greedy_identity():
 @pytest.mark.slow
 def test_store_hints_keep_the_target_distribution():
     """Chi-square at T = 1: a drafter copying store hints (one-hot q) where they rest on >= 2 tokens."""
-    from drafters.hints import HintStore
+    from drafters.variants.hint_lookup import HintStore
 
     target = tiny_target("llama", vocab_size=8, seed=11, hidden_size=16, num_layers=2, init_range=0.6)
     torch.manual_seed(3)

@@ -10,6 +10,9 @@ Each is one module, its options the dataclass's fields (its ``config.json`` entr
 * ``store_hints`` (:mod:`.store_hints`, needs ``hints``): weak hints come from an n-gram store of the training
   answers;
 * ``refine`` (:mod:`.refine`): the block runs again with the previous pass's argmax in its slots.
+
+What the hint variants read (prompt lookup's proposal at every anchor, the n-gram store of the training answers)
+lives beside them in :mod:`.hint_lookup`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Lookup hints: block slots 1..K read the continuation that prompt lookup proposes from the row's own tokens up
-to the anchor (:func:`drafters.hints.lookup_hints`, n-grams ``max_ngram``..1) instead of MASK, where an n-gram
+to the anchor (:func:`drafters.variants.hint_lookup.lookup_hints`, n-grams ``max_ngram``..1) instead of MASK, where an n-gram
 matches. The drafter learns when to trust the copy. Training (every anchor of a batch) and drafting (one anchor
 per row after the committed tokens) read the same hints. Whether a step copies a hint outright is decoding
 policy (:class:`drafters.policy.DraftingPolicy`). Not servable as DFlash (engines feed MASK tokens).
@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from drafters.hints import compact_rows, lookup_hints
 from drafters.model import Variant
+from drafters.variants.hint_lookup import compact_rows, lookup_hints
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Store hints (needs ``hints``): slots whose prompt-lookup hint rests on fewer than :data:`STORE_BELOW_NGRAM`
-tokens read instead what an n-gram store of the training answers continues (:class:`drafters.hints.HintStore`,
+tokens read instead what an n-gram store of the training answers continues (:class:`drafters.variants.hint_lookup.HintStore`,
 corpus_lookup's rule), saved beside the drafter. In training a row reads the store of the other
 ``num_folds - 1`` folds of answers (never its own; its fold is found from its prompt, ``prompt_len``).
 """
@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from drafters.hints import HintStore
 from drafters.model import Variant
+from drafters.variants.hint_lookup import HintStore
 
 #: Slots whose prompt-lookup hint rests on fewer tokens than this read the store's instead (a hint from the
 #: anchor token alone is mostly wrong: docs/history.md, "Lookup hints").

@@ -29,13 +29,13 @@ import conf
 from drafters import factory
 from drafters.checks import TargetMismatchError
 from drafters.factory import with_variant, without_variant
-from drafters.hints import HintStore
 from drafters.integrity import ChangedDrafterError
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.storage import DamagedFileError, check_safetensors, file_digest
 from drafters.training.datamodule import load_regenerated
 from drafters.training.vocab import frequent_tokens
+from drafters.variants.hint_lookup import HintStore
 from experiments.pipeline.recorded_answers import RECORD, load_answers
 from experiments.pipeline.records import training_run_info
 from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter

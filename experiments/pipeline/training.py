@@ -40,13 +40,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import locks, storage
 from drafters.factory import read_saved_config
-from drafters.hints import HintStore
 from drafters.model import DFlashDrafter, target_fingerprint
 from drafters.training import datamodule as regen
 from drafters.training.datamodule import ensure_features
 from drafters.training.features import HEAD
 from drafters.training.features import features_dir as features_folder
 from drafters.training.vocab import coverage, frequent_tokens
+from drafters.variants.hint_lookup import HintStore
 from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
@@ -69,7 +69,7 @@ def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
 
 def export_drafter(checkpoint: Path, out_dir: Path, hint_store=None) -> None:
     """Rebuild the drafter from a Lightning checkpoint (full state dict, any strategy) and save it, with the
-    training run's ``hint_store`` (:class:`drafters.hints.HintStore`) if it drafts with one."""
+    training run's ``hint_store`` (:class:`drafters.variants.hint_lookup.HintStore`) if it drafts with one."""
     ckpt = storage.read_checkpoint(checkpoint, ("state_dict", "drafter_config"))
     state = {k[len("drafter."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     config, variants = read_saved_config(ckpt["drafter_config"], f"{checkpoint} (drafter_config)")
@@ -81,7 +81,7 @@ def export_drafter(checkpoint: Path, out_dir: Path, hint_store=None) -> None:
 
 
 def attach_hint_store(drafter, train_set: regen.RegenDataset) -> None:
-    """With ``store_hints``: the drafter's :class:`drafters.hints.HintStore` of the training rows' answers (the
+    """With ``store_hints``: the drafter's :class:`drafters.variants.hint_lookup.HintStore` of the training rows' answers (the
     validation rows stay out of it, as unseen prompts are at inference)."""
     store = drafter.variants.get("store_hints")
     if store is None:
