@@ -111,6 +111,48 @@ def target_fingerprint(target_config: Any) -> dict[str, Any]:
     }
 
 
+def check_target(config: DrafterConfig, target: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """That ``target`` fits a drafter of ``config``: a Hugging Face causal LM with its fingerprint
+    (:data:`FINGERPRINT_KEYS`), an input embedding and LM head of the drafter's sizes, and the hidden states
+    ``config.target_layer_ids`` names, at the drafter's width (one token run through it). Returns the embedding
+    and the head; a ValueError names what does not fit."""
+    tcfg = getattr(target, "config", None)
+    if tcfg is None:
+        raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
+    theirs, ours = target_fingerprint(tcfg), config.target_fingerprint
+    diffs = [f"{k}: drafter was built for {ours.get(k)!r}, target has {theirs[k]!r}"
+             for k in FINGERPRINT_KEYS if ours.get(k) != theirs[k]]
+    if diffs:
+        raise ValueError("target does not match the drafter's target fingerprint: " + "; ".join(diffs))
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if embed is None or head is None:
+        raise ValueError(f"target {type(target).__name__} lacks an input embedding or an LM head")
+    if embed.weight.shape[1] != config.hidden_size or head.weight.shape[0] != config.vocab_size:
+        raise ValueError(
+            f"target embedding {tuple(embed.weight.shape)} / LM head {tuple(head.weight.shape)} do not "
+            f"fit hidden_size {config.hidden_size} and vocab_size {config.vocab_size}")
+    _check_target_outputs(config, target)
+    return embed, head
+
+
+def _check_target_outputs(config: DrafterConfig, target: nn.Module) -> None:
+    """Run the target on one token and check it returns enough hidden states of the right width."""
+    param = next(target.parameters(), None)
+    probe = torch.zeros(1, 1, dtype=torch.long, device=param.device if param is not None else "cpu")
+    with torch.no_grad():
+        out = target(input_ids=probe, output_hidden_states=True, use_cache=False)
+    states = getattr(out, "hidden_states", None)
+    if states is None:
+        raise ValueError(f"target {type(target).__name__} returned no hidden_states for output_hidden_states=True; "
+                         "the drafter needs the target's per-layer hidden states")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < len(states)]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} out of range for {len(states)} target hidden states")
+    widths = {states[i].shape[-1] for i in config.target_layer_ids}
+    if widths != {config.hidden_size}:
+        raise ValueError(f"target hidden states have widths {widths}, expected {config.hidden_size}")
+
+
 def target_final_norm_weight(target: nn.Module) -> torch.Tensor | None:
     """The weight of the target's final norm (Llama/Qwen ``model.norm``, GPT-2 ``transformer.ln_f``)."""
     base = getattr(target, "base_model", target)

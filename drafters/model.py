@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from drafters.config import FINGERPRINT_KEYS, DrafterConfig, target_fingerprint
+from drafters.config import DrafterConfig, check_target
 from drafters.draft_cache import DraftCache
 from drafters.integrity import write_record
 from drafters.layers import (
@@ -230,44 +230,13 @@ class DFlashDrafter(nn.Module):
         return self._target
 
     def attach_target(self, target: nn.Module) -> DFlashDrafter:
-        """Use ``target``'s input embedding and LM head (frozen in place); checks it fits the drafter."""
-        tcfg = getattr(target, "config", None)
-        if tcfg is None:
-            raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
-        theirs, ours = target_fingerprint(tcfg), self.config.target_fingerprint
-        diffs = [f"{k}: drafter was built for {ours.get(k)!r}, target has {theirs[k]!r}"
-                 for k in FINGERPRINT_KEYS if ours.get(k) != theirs[k]]
-        if diffs:
-            raise ValueError("target does not match the drafter's target fingerprint: " + "; ".join(diffs))
-        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-        if embed is None or head is None:
-            raise ValueError(f"target {type(target).__name__} lacks an input embedding or an LM head")
-        if embed.weight.shape[1] != self.config.hidden_size or head.weight.shape[0] != self.config.vocab_size:
-            raise ValueError(
-                f"target embedding {tuple(embed.weight.shape)} / LM head {tuple(head.weight.shape)} do not "
-                f"fit hidden_size {self.config.hidden_size} and vocab_size {self.config.vocab_size}")
-        self._check_target_outputs(target)
+        """Use ``target``'s input embedding and LM head (frozen in place), once :func:`drafters.config.check_target`
+        found that it fits the drafter."""
+        embed, head = check_target(self.config, target)
         embed.requires_grad_(False)
         head.requires_grad_(False)
         object.__setattr__(self, "_target", target)
         return self
-
-    def _check_target_outputs(self, target: nn.Module) -> None:
-        """Run the target on one token and check it returns enough hidden states of the right width."""
-        param = next(target.parameters(), None)
-        probe = torch.zeros(1, 1, dtype=torch.long, device=param.device if param is not None else "cpu")
-        with torch.no_grad():
-            out = target(input_ids=probe, output_hidden_states=True, use_cache=False)
-        states = getattr(out, "hidden_states", None)
-        if states is None:
-            raise ValueError(f"target {type(target).__name__} returned no hidden_states for output_hidden_states=True; "
-                             "the drafter needs the target's per-layer hidden states")
-        bad = [i for i in self.config.target_layer_ids if not 0 <= i < len(states)]
-        if bad:
-            raise ValueError(f"target_layer_ids {bad} out of range for {len(states)} target hidden states")
-        widths = {states[i].shape[-1] for i in self.config.target_layer_ids}
-        if widths != {self.config.hidden_size}:
-            raise ValueError(f"target hidden states have widths {widths}, expected {self.config.hidden_size}")
 
     def copy_target_layers(self, target: nn.Module) -> None:
         """Warm start (``init_layers_from_target``): drafter layer i <- the target's layer i, or (hook,

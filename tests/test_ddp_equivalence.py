@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
-from drafters.model import target_fingerprint
+from drafters.config import target_fingerprint
 from drafters.training.datamodule import RegenDataModule, write_meta, write_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

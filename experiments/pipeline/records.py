@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from drafters.model import target_fingerprint
+from drafters.config import target_fingerprint
 from experiments.data.suites import Prompt
 from experiments.pipeline.paths import portable_override, portable_value
 

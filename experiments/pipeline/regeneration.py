@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import locks
-from drafters.model import target_fingerprint
+from drafters.config import target_fingerprint
 from drafters.training import datamodule as regen
 from experiments.data.decontamination import check_disjoint, drop_overlapping
 from experiments.data.hashing import stable_seed

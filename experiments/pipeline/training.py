@@ -39,8 +39,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import locks, storage
+from drafters.config import target_fingerprint
 from drafters.factory import read_saved_config
-from drafters.model import DFlashDrafter, target_fingerprint
+from drafters.model import DFlashDrafter
 from drafters.training import datamodule as regen
 from drafters.training.datamodule import ensure_features
 from drafters.training.features import HEAD
