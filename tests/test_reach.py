@@ -70,3 +70,18 @@ def test_main_writes_the_json_the_table_and_the_plot(tmp_path):
     assert json.loads((tmp_path / "out" / "reach.json").read_text())["reach"]["lookup"]
     assert "| drafter | 8 | **1.600** |" in (tmp_path / "out" / "reach.md").read_text()
     assert (tmp_path / "out" / "reach.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(subject="nobody"), "subject 'nobody' is not one of the drafters"),
+    (lambda s: s["drafters"]["rival"]["budgets"][0].update(hours=0), "needs hours > 0 in each"),
+    (lambda s: s["drafters"]["lookup"].pop("chosen_width"), r"drafters\.lookup\.chosen_width"),
+])
+def test_a_wrong_spec_is_refused_naming_the_file_and_the_field(tmp_path, change, message):
+    spec = _spec(tmp_path)
+    change(spec)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=message) as refused:
+        reach.main([str(path)])
+    assert str(path) in str(refused.value)

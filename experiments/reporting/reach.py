@@ -26,26 +26,69 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pydantic
 
 from experiments.reporting.plots import plot_reach
 from experiments.reporting.runs import suites_tau
 
 
-def _points(spec: dict, root: Path) -> dict[str, dict]:
+class Budget(pydantic.BaseModel, extra="allow"):
+    """One training budget of a drafter: its hours and the evaluation folder of each width (other keys, e.g.
+    ``steps`` and ``from``, are kept as they are)."""
+
+    hours: float = pydantic.Field(ge=0)
+    evals: dict[int, str] = pydantic.Field(min_length=1)
+
+
+class DrafterSpec(pydantic.BaseModel):
+    chosen_width: int
+    budgets: list[Budget] = pydantic.Field(min_length=1)
+
+    @pydantic.model_validator(mode="after")
+    def _hours_on_a_log_scale(self):
+        if len(self.budgets) > 1 and min(b.hours for b in self.budgets) <= 0:
+            raise ValueError("a drafter with several budgets needs hours > 0 in each (they lie on a log scale)")
+        return self
+
+
+class Spec(pydantic.BaseModel, extra="allow"):
+    """The spec of the module doc."""
+
+    suites: list[str] = pydantic.Field(min_length=1)
+    temperature: float = 0.0
+    subject: str
+    drafters: dict[str, DrafterSpec]
+
+    @pydantic.model_validator(mode="after")
+    def _subject_is_a_drafter(self):
+        if self.subject not in self.drafters:
+            raise ValueError(f"subject {self.subject!r} is not one of the drafters {sorted(self.drafters)}")
+        return self
+
+
+def read_spec(path: Path) -> Spec:
+    """The spec in ``path``; a ValueError names the file and each field that is wrong."""
+    try:
+        return Spec.model_validate_json(path.read_text())
+    except pydantic.ValidationError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def _points(spec: Spec, root: Path) -> dict[str, dict]:
     """``{drafter: {"chosen_width", "budgets": [{hours, steps?, from?, tau: {width: {suite: τ, mean}}}]}}``."""
     out = {}
-    for name, d in spec["drafters"].items():
+    for name, d in spec.drafters.items():
         budgets = []
-        for b in d["budgets"]:
+        for b in d.budgets:
             taus = {}
-            for width, folder in b["evals"].items():
-                tau = suites_tau(root / folder / "results.json", spec["suites"], spec.get("temperature", 0.0))
+            for width, folder in b.evals.items():
+                tau = suites_tau(root / folder / "results.json", spec.suites, spec.temperature)
                 if tau is None:
-                    raise ValueError(f"{root / folder / 'results.json'}: no T={spec.get('temperature', 0.0)} τ for "
-                                     f"every suite of {spec['suites']} (drafter {name!r}, width {width})")
+                    raise ValueError(f"{root / folder / 'results.json'}: no T={spec.temperature} τ for every suite "
+                                     f"of {spec.suites} (drafter {name!r}, width {width})")
                 taus[str(width)] = tau
-            budgets.append({**{k: v for k, v in b.items() if k != "evals"}, "tau": taus})
-        out[name] = {"chosen_width": d["chosen_width"], "budgets": sorted(budgets, key=lambda b: b["hours"])}
+            budgets.append({**b.model_dump(exclude={"evals"}), "tau": taus})
+        out[name] = {"chosen_width": d.chosen_width, "budgets": sorted(budgets, key=lambda b: b["hours"])}
     return out
 
 
@@ -73,13 +116,14 @@ def crossing_hours(subject: dict, rival: dict) -> float | None:
     return float(2 ** ((rival["a"] - subject["a"]) / (subject["b"] - rival["b"])))
 
 
-def analyse(spec: dict, root: Path) -> dict:
+def analyse(spec: Spec | dict, root: Path) -> dict:
     """Every drafter's points and lines; for the subject at its chosen width, the hours to reach each rival at the
     rival's chosen width and at the subject's."""
+    spec = spec if isinstance(spec, Spec) else Spec.model_validate(spec)
     points = _points(spec, root)
     widths = sorted({w for d in points.values() for b in d["budgets"] for w in b["tau"]}, key=int)
     lines = {n: {w: ln for w in widths if (ln := line(d["budgets"], w)) is not None} for n, d in points.items()}
-    subject = spec["subject"]
+    subject = spec.subject
     sw = str(points[subject]["chosen_width"])
     now = points[subject]["budgets"][-1]["hours"]
     reach = {}
@@ -93,7 +137,7 @@ def analyse(spec: dict, root: Path) -> dict:
                 row[label] = {"rival_width": int(rw), "hours": None if h is None else round(h, 2),
                               "times_now": None if h is None else round(h / now, 2)}
         reach[rival] = row
-    return {"suites": spec["suites"], "temperature": spec.get("temperature", 0.0), "subject": subject,
+    return {"suites": spec.suites, "temperature": spec.temperature, "subject": subject,
             "subject_width": int(sw), "subject_hours_now": now, "points": points, "lines": lines, "reach": reach}
 
 
@@ -137,8 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("spec", type=Path)
     parser.add_argument("--out", type=Path, help="default: the spec's folder")
     args = parser.parse_args(argv)
-    spec = json.loads(args.spec.read_text())
-    doc = write(analyse(spec, args.spec.parent), args.out or args.spec.parent)
+    doc = write(analyse(read_spec(args.spec), args.spec.parent), args.out or args.spec.parent)
     print("\n".join(markdown(doc)))
     return doc
 
