@@ -92,6 +92,11 @@ def _points(spec: Spec, root: Path) -> dict[str, dict]:
     return out
 
 
+def _widths(points: dict[str, dict]) -> list[str]:
+    """Every width any drafter was evaluated at, in order."""
+    return sorted({w for d in points.values() for b in d["budgets"] for w in b["tau"]}, key=int)
+
+
 def line(budgets: Sequence[dict], width: str) -> dict | None:
     """τ = a + b·log2(hours) through the budgets that evaluated ``width`` (least squares); a constant for one
     budget; None for none."""
@@ -121,7 +126,7 @@ def analyse(spec: Spec | dict, root: Path) -> dict:
     rival's chosen width and at the subject's."""
     spec = spec if isinstance(spec, Spec) else Spec.model_validate(spec)
     points = _points(spec, root)
-    widths = sorted({w for d in points.values() for b in d["budgets"] for w in b["tau"]}, key=int)
+    widths = _widths(points)
     lines = {n: {w: ln for w in widths if (ln := line(d["budgets"], w)) is not None} for n, d in points.items()}
     subject = spec.subject
     sw = str(points[subject]["chosen_width"])
@@ -148,7 +153,7 @@ def _cell(tau: dict | None, chosen: bool) -> str:
 
 
 def markdown(doc: dict) -> list[str]:
-    widths = sorted({w for d in doc["points"].values() for b in d["budgets"] for w in b["tau"]}, key=int)
+    widths = _widths(doc["points"])
     rows = ["| drafter | hours | " + " | ".join(f"τ at {w}" for w in widths) + " |",
             "|---|---|" + "---|" * len(widths)]
     for name, d in doc["points"].items():
