@@ -72,7 +72,33 @@ def test_main_writes_the_json_the_table_and_the_plot(tmp_path):
     assert (tmp_path / "out" / "reach.png").stat().st_size > 0
 
 
+def test_held_out_numbers_get_their_table_and_their_gain_per_doubling(tmp_path):
+    spec = _spec(tmp_path)
+    hours_8, hours_2 = spec["drafters"]["drafter"]["budgets"]
+    hours_2["held_out"] = {"tau": 1.7, "k": 7, "slot_accuracy": [0.5, 0.2]}
+    hours_8["held_out"] = {"tau": 1.8, "k": 7, "slot_accuracy": [0.6, 0.2, 0.1]}  # 2 doublings later
+    spec["drafters"]["rival"]["budgets"][0]["held_out"] = {"tau": 1.9, "k": 7}  # one budget: no line
+    doc = reach.analyse(spec, tmp_path)
+    lines = doc["held_out_lines"]
+    assert list(lines) == ["drafter"]
+    assert lines["drafter"]["tau"]["b"] == pytest.approx(0.05)
+    assert [s["b"] for s in lines["drafter"]["slot_accuracy"]] == pytest.approx([0.05, 0.0])  # slots both report
+    text = "\n".join(reach.markdown(doc))
+    assert "| drafter | 8 | 1.800 | 7 | 0.600 / 0.200 / 0.100 |" in text
+    assert "| rival | 2 | 1.900 | 7 |  |" in text
+    assert "- drafter: held-out τ +0.050 per doubling of hours; accuracy per slot +0.050, +0.000" in text
+
+
+def test_without_held_out_numbers_the_report_has_no_held_out_part(tmp_path):
+    doc = reach.analyse(_spec(tmp_path), tmp_path)
+    assert doc["held_out_lines"] == {} and "held-out" not in "\n".join(reach.markdown(doc))
+
+
 @pytest.mark.parametrize("change, message", [
+    (lambda s: s["drafters"]["drafter"]["budgets"][0].update(held_out={"tau": 0.5, "k": 7}),
+     r"drafters\.drafter\.budgets\.0\.held_out\.tau"),
+    (lambda s: s["drafters"]["drafter"]["budgets"][0].update(held_out={"tau": 1.5, "k": 7, "slots": [0.1]}),
+     r"held_out\.slots"),
     (lambda s: s.update(subject="nobody"), "subject 'nobody' is not one of the drafters"),
     (lambda s: s["drafters"]["rival"]["budgets"][0].update(hours=0), "needs hours > 0 in each"),
     (lambda s: s["drafters"]["lookup"].pop("chosen_width"), r"drafters\.lookup\.chosen_width"),

@@ -12,7 +12,9 @@ its hours and the evaluation of each width (``results.json`` folders, relative t
        "prompt_lookup": {"chosen_width": 3, "budgets": [{"hours": 0, "evals": {"3": "evals/pl_k3"}}]}}}
 
 A drafter with one budget is a constant (prompt lookup trains nothing); two or more budgets give a least-squares
-line τ = a + b·log2(hours). With two budgets the line goes through both points: it is a cost model, not a fit
+line τ = a + b·log2(hours). A budget may also carry its model card's held-out numbers (``"held_out": {"tau": 1.78,
+"k": 7, "slot_accuracy": [0.56, ...]}``): the report gives their table and their gain per doubling of hours, which
+the suites' shift of subject does not touch. With two budgets the line goes through both points: it is a cost model, not a fit
 with an interval, and the report says so. Outputs ``reach.json``, ``reach.md`` and ``reach.png``.
 
     python -m experiments.reporting.reach <spec.json> [--out DIR]
@@ -32,12 +34,22 @@ from experiments.reporting.plots import plot_reach
 from experiments.reporting.runs import suites_tau
 
 
+class HeldOut(pydantic.BaseModel, extra="forbid"):
+    """What a model card says of the held-out training answers at one budget: greedy τ replayed with ``k`` drafts a
+    step, and for a block drafter its teacher-forced accuracy at each slot."""
+
+    tau: float = pydantic.Field(ge=1)
+    k: int = pydantic.Field(ge=1)
+    slot_accuracy: list[float] = []
+
+
 class Budget(pydantic.BaseModel, extra="allow"):
-    """One training budget of a drafter: its hours and the evaluation folder of each width (other keys, e.g.
-    ``steps`` and ``from``, are kept as they are)."""
+    """One training budget of a drafter: its hours, the evaluation folder of each width and, optionally, its held-out
+    numbers (other keys, e.g. ``steps`` and ``from``, are kept as they are)."""
 
     hours: float = pydantic.Field(ge=0)
     evals: dict[int, str] = pydantic.Field(min_length=1)
+    held_out: HeldOut | None = None
 
 
 class DrafterSpec(pydantic.BaseModel):
@@ -97,17 +109,33 @@ def _widths(points: dict[str, dict]) -> list[str]:
     return sorted({w for d in points.values() for b in d["budgets"] for w in b["tau"]}, key=int)
 
 
-def line(budgets: Sequence[dict], width: str) -> dict | None:
-    """τ = a + b·log2(hours) through the budgets that evaluated ``width`` (least squares); a constant for one
-    budget; None for none."""
-    pts = [(b["hours"], b["tau"][width]["mean"]) for b in budgets if width in b["tau"]]
-    if not pts:
+def fit(points: Sequence[tuple[float, float]]) -> dict | None:
+    """y = a + b·log2(hours) through ``(hours, y)`` points (least squares); a constant for one point; None for none."""
+    if not points:
         return None
-    if len(pts) == 1:
-        return {"a": pts[0][1], "b": 0.0, "budgets": 1}
-    x, y = np.log2([p[0] for p in pts]), np.array([p[1] for p in pts])
-    b, a = np.polyfit(x, y, 1)
-    return {"a": round(float(a), 4), "b": round(float(b), 4), "budgets": len(pts)}
+    if len(points) == 1:
+        return {"a": points[0][1], "b": 0.0, "budgets": 1}
+    b, a = np.polyfit(np.log2([p[0] for p in points]), [p[1] for p in points], 1)
+    return {"a": round(float(a), 4), "b": round(float(b), 4), "budgets": len(points)}
+
+
+def line(budgets: Sequence[dict], width: str) -> dict | None:
+    """τ's :func:`fit` over the budgets that evaluated ``width``."""
+    return fit([(b["hours"], b["tau"][width]["mean"]) for b in budgets if width in b["tau"]])
+
+
+def held_out_lines(points: dict[str, dict]) -> dict[str, dict]:
+    """Per drafter with held-out numbers at two budgets or more, the :func:`fit` of its held-out τ and of its
+    accuracy at each slot (the slots every such budget reports)."""
+    out = {}
+    for name, d in points.items():
+        held = [(b["hours"], b["held_out"]) for b in d["budgets"] if b.get("held_out")]
+        if len(held) < 2:
+            continue
+        slots = min(len(h["slot_accuracy"]) for _, h in held)
+        out[name] = {"k": held[-1][1]["k"], "tau": fit([(t, h["tau"]) for t, h in held]),
+                     "slot_accuracy": [fit([(t, h["slot_accuracy"][s]) for t, h in held]) for s in range(slots)]}
+    return out
 
 
 def crossing_hours(subject: dict, rival: dict) -> float | None:
@@ -143,7 +171,8 @@ def analyse(spec: Spec | dict, root: Path) -> dict:
                               "times_now": None if h is None else round(h / now, 2)}
         reach[rival] = row
     return {"suites": spec.suites, "temperature": spec.temperature, "subject": subject,
-            "subject_width": int(sw), "subject_hours_now": now, "points": points, "lines": lines, "reach": reach}
+            "subject_width": int(sw), "subject_hours_now": now, "points": points, "lines": lines, "reach": reach,
+            "held_out_lines": held_out_lines(points)}
 
 
 def _cell(tau: dict | None, chosen: bool) -> str:
@@ -169,6 +198,26 @@ def markdown(doc: dict) -> list[str]:
             when = ("never at these slopes" if r["hours"] is None else
                     f"{r['hours']:g} h ({r['times_now']:g}× now)" + (": ahead already" if r["times_now"] <= 1 else ""))
             rows.append(f"- {rival} at width {r['rival_width']} ({label.replace('_', ' ')}): {when}")
+    return rows + held_out_markdown(doc)
+
+
+def held_out_markdown(doc: dict) -> list[str]:
+    """The held-out table and each drafter's gain per doubling of hours; nothing when no budget has held-out numbers."""
+    held = [(n, b) for n, d in doc["points"].items() for b in d["budgets"] if b.get("held_out")]
+    if not held:
+        return []
+    rows = ["", ("On the held-out training answers (the model cards' greedy τ replayed with K drafts a step, and a "
+                 "block drafter's teacher-forced accuracy at each slot):"), "",
+            "| drafter | hours | held-out τ | K | accuracy at each slot |", "|---|---|---|---|---|"]
+    for name, b in held:
+        h = b["held_out"]
+        rows.append(f"| {name} | {b['hours']:g} | {h['tau']:.3f} | {h['k']} | "
+                    + " / ".join(f"{a:.3f}" for a in h["slot_accuracy"]) + " |")
+    rows.append("")
+    for name, ln in doc.get("held_out_lines", {}).items():
+        slots = ", ".join(f"{s['b']:+.3f}" for s in ln["slot_accuracy"])
+        rows.append(f"- {name}: held-out τ {ln['tau']['b']:+.3f} per doubling of hours"
+                    + (f"; accuracy per slot {slots}" if slots else ""))
     return rows
 
 
