@@ -28,6 +28,20 @@ def test_train_bench_times_each_loss_with_and_without_cached_features(tmp_path):
     assert all(_is_share(r["train_share_of_matmul"], r["train_gflops"], ref["matmul_gflops"]) for r in report["losses"])
 
 
+def test_train_bench_interleaves_anchor_counts_and_keeps_each_ones_median_round(tmp_path):
+    from experiments.bench import train
+
+    report = train.main(["--losses", "uniform", "--features", "cached", "--batch-size", "2", "--seq-len", "24",
+                         "--prompt-len", "8", "--num-anchors", "2", "6", "--rounds", "3", "--block-size", "4",
+                         "--steps", "1", "--warmup", "0", "--device", "cpu", "--out", str(tmp_path / "train.json")])
+    runs = report["losses"]
+    assert [(r["num_anchors"], r["features"]) for r in runs] == [(2, "cached"), (6, "cached")]
+    for r in runs:
+        assert len(r["s_per_step_rounds"]) == 3
+        assert round(r["s_per_step"], 4) == sorted(r["s_per_step_rounds"])[1]
+    assert runs[1]["blocks_per_step"] == 3 * runs[0]["blocks_per_step"]  # 16 response tokens: room for every anchor
+
+
 def _is_share(share: float, gflops: float, of: float) -> bool:
     """``share`` (3 decimals) is ``gflops / of`` where both were rounded to 1 decimal: the ratio of the rounded
     values may differ from the share of the unrounded ones by the rounding of each, so it is a range."""

@@ -80,14 +80,14 @@ def with_cached_features(batch: dict, target, layer_ids) -> dict:
     return {**batch, "features": feats.half().float()}
 
 
-def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
+def bench_loss(name: str, target, args, batch, cached: bool, num_anchors: int) -> dict:
     loss = hydra.utils.instantiate(loss_configs([name])[name])
     torch.manual_seed(0)
     drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
     drafter.to(args.device)
     module = DrafterLightningModule(
         drafter, target, loss, functools.partial(torch.optim.AdamW, lr=6e-4, weight_decay=0.01),
-        functools.partial(warmup_cosine, warmup_steps=10, max_steps=1000), num_anchors=args.num_anchors,
+        functools.partial(warmup_cosine, warmup_steps=10, max_steps=1000), num_anchors=num_anchors,
     ).to(args.device)
     optimizer = module.configure_optimizers()["optimizer"]
     if cached:
@@ -111,7 +111,7 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
         sync()
         t1 = time.perf_counter()
         with autocast:
-            logits, labels, mask, probs = select_blocks(drafter, batch, states, target_logits, args.num_anchors,
+            logits, labels, mask, probs = select_blocks(drafter, batch, states, target_logits, num_anchors,
                                                         torch.Generator().manual_seed(step), soft=loss.soft,
                                                         vocab=vocab)
         value, _ = loss(logits.float(), labels, mask, probs)
@@ -127,7 +127,7 @@ def bench_loss(name: str, target, args, batch, cached: bool) -> dict:
             tokens += int(mask.sum())
     result = {
         "loss": name, "soft": bool(loss.soft), "features": "cached" if cached and not loss.soft else "on_the_fly",
-        "train_vocab_size": args.train_vocab_size, "bf16": args.bf16, "num_anchors": args.num_anchors,
+        "train_vocab_size": args.train_vocab_size, "bf16": args.bf16, "num_anchors": num_anchors,
         "blocks_per_s": blocks / wall, "tokens_per_s": tokens / wall,
         "s_per_step": wall / args.steps, "cpu_s_per_step": cpu / args.steps,
         "target_forward_share": target_s / wall, "blocks_per_step": blocks / args.steps,
@@ -165,6 +165,22 @@ def _drafter_shares(results: list[dict], target, args, matmul_rate: float) -> No
         r["train_gflops"], r["train_share_of_matmul"] = round(gflops, 1), round(gflops / matmul_rate, 3)
 
 
+def interleaved(run, configs: list[tuple], rounds: int) -> list[dict]:
+    """``run(*config)`` for every config, round after round; per config the record of its median round by
+    ``s_per_step``, with every round's ``s_per_step`` in ``s_per_step_rounds``."""
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for config in configs:
+            r = run(*config)
+            runs[config].append(r)
+            print(f"[bench_train] {r['loss']:12s} {r['features']:10s} {r['num_anchors']:4d} anchors "
+                  f"{r['blocks_per_s']:8.1f} blocks/s {r['tokens_per_s']:9.1f} tok/s {r['s_per_step']:.3f} s/step "
+                  f"(cpu {r['cpu_s_per_step']:.3f}) target {r['target_forward_share']:.0%} "
+                  f"peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    return [{**sorted(rs, key=lambda r: r["s_per_step"])[(len(rs) - 1) // 2],
+             "s_per_step_rounds": [round(r["s_per_step"], 4) for r in rs]} for rs in runs.values()]
+
+
 @torch.no_grad()
 def bench_validation(target, args, batch) -> dict:
     drafter = factory.from_target(target, block_size=args.block_size, num_layers=args.layers)
@@ -185,13 +201,15 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--num-anchors", type=int, default=32)
+    p.add_argument("--num-anchors", type=int, nargs="+", default=[32], help="anchors per sequence: each value is a config")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--features", choices=["both", "cached", "on_the_fly"], default="both",
                    help="context from cached target features, a target forward per step, or both (one run)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every config this many times, round after round (interleaved); each keeps its median")
     p.add_argument("--train-vocab-size", type=int, default=None,
                    help="training logits over this many ids only (module.train_vocab_size; drafters/vocab.py)")
     p.add_argument("--train-vocab-negatives", type=int, default=0, help="other ids scored per step (sampled softmax)")
@@ -206,14 +224,9 @@ def main(argv=None) -> dict:
     target = load_target(path, device=args.device)[0] if path else random_target(args.device)
     vocab = target.get_output_embeddings().weight.shape[0]
     batch = make_batch(args.batch_size, args.seq_len, args.prompt_len, vocab, args.device)
-    results = []
     modes = {"both": [False, True], "cached": [True], "on_the_fly": [False]}[args.features]
-    for name, cached in [(n, c) for n in args.losses for c in modes]:
-        results.append(bench_loss(name, target, args, batch, cached))
-        r = results[-1]
-        print(f"[bench_train] {name:12s} {r['features']:10s} {r['blocks_per_s']:8.1f} blocks/s {r['tokens_per_s']:9.1f} tok/s "
-              f"{r['s_per_step']:.3f} s/step (cpu {r['cpu_s_per_step']:.3f}) target {r['target_forward_share']:.0%} "
-              f"peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    results = interleaved(lambda name, cached, anchors: bench_loss(name, target, args, batch, cached, anchors),
+                          [(n, c, a) for n in args.losses for c in modes for a in args.num_anchors], args.rounds)
     reference = bench_reference(target, args, batch)
     _drafter_shares(results, target, args, reference["matmul_gflops"])
     print(f"[bench_train] matmul {reference['matmul_gflops']} GFLOP/s; feature pass "
