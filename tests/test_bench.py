@@ -36,6 +36,7 @@ def test_train_bench_interleaves_anchor_counts_and_keeps_each_ones_median_round(
                          "--steps", "1", "--warmup", "0", "--device", "cpu", "--out", str(tmp_path / "train.json")])
     runs = report["losses"]
     assert [(r["num_anchors"], r["features"]) for r in runs] == [(2, "cached"), (6, "cached")]
+    assert report["target"] == "experiments/assets/tiny_target"  # the embedded target, as committed records name it
     for r in runs:
         assert len(r["s_per_step_rounds"]) == 3
         assert round(r["s_per_step"], 4) == sorted(r["s_per_step_rounds"])[1]

@@ -47,6 +47,7 @@ from drafters.training.optim import warmup_cosine
 from drafters.training.vocab import TrainVocab
 from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
 from experiments.data.target import TINY_TARGET_DIR, load_target
+from experiments.pipeline.paths import portable_value
 from experiments.pipeline.records import machine, matmul_gflops, median_seconds
 
 LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
@@ -233,9 +234,10 @@ def main(argv=None) -> dict:
           f"{reference['feature_pass_tokens_per_s']} tok/s = {reference['feature_pass_share_of_matmul']:.0%} of it",
           flush=True)
     report = {
-        "target": path or "random Llama (tiny-target shape)",
+        "target": portable_value(path) if path else "random Llama (tiny-target shape)",
         "target_parameters": sum(q.numel() for q in target.parameters()),
-        "settings": {k: v for k, v in vars(args).items() if k not in {"out", "losses"}},
+        "settings": {k: portable_value(v) if k == "target" and v else v for k, v in vars(args).items()
+                     if k not in {"out", "losses"}},
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine(),
         "losses": results,
         "validation_batch": bench_validation(target, args, batch),
