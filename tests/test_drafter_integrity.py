@@ -151,7 +151,7 @@ def test_an_old_save_without_the_record_loads_with_a_one_line_warning(tmp_path, 
 def test_export_refuses_an_edited_drafter_unless_allowed(tmp_path):
     saved(tmp_path / "drafter", "blockdraft")
     edit(tmp_path / "drafter", lambda raw: raw.update(block_size=8))
-    cfg = {"drafter": {"path": str(tmp_path / "drafter")}, "out": str(tmp_path / "served"), "target": None,
+    cfg = {"drafter": {"path": str(tmp_path / "drafter")}, "out": str(tmp_path / "served"), "target_path": None,
            "dtype": None, "max_position_embeddings": None}
     with pytest.raises(ChangedDrafterError, match="block_size is 8, recorded 4"):
         export_for_serving(OmegaConf.create(cfg))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -70,18 +71,39 @@ def test_export_writes_dflash_layout_and_card(tmp_path):
     assert loaded.config.block_size == 8 and loaded.fuse.weight.dtype == torch.float32
 
 
+def test_a_shipped_drafter_is_described_by_its_own_card(tmp_path, monkeypatch):
+    run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target", with_results=False)
+    shipped = tmp_path / "assets" / "l2r_all_long"
+    shutil.copytree(run_dir / "drafter", shipped)  # its run folder is not beside it: only its card.json tells
+    (shipped / "card.json").write_text(json.dumps({
+        "training": {"loss": "l2r_all", "loss_settings": {"gamma": 1.0, "chain_weight": 40.0}, "steps": 20000,
+                     "continued_from": {"total_steps": 40000}},
+        "data": {"rows": 10887, "response_tokens": 2015720, "train_rows": 10315, "answers_sha256": "0d28"},
+        "tau": {"T=0": {"humaneval": 1.6993, "mean": 1.7}, "T=1": {"humaneval": 1.4106, "mean": 1.4}}}))
+    out = tmp_path / "o"  # the target named on the command line as committed records name it, $VARS and all
+    monkeypatch.setenv("TARGETS_HOME", str(tmp_path))
+    run_main([f"drafter.path={shipped}", f"out={out}", "target_path=$TARGETS_HOME/target"], tmp_path / "runs")
+    card = (out / "README.md").read_text()
+    for text in ("`l2r_all` (blockdraft AcceptanceAlignedLoss: gamma=1.0, chain_weight=40.0)",
+                 "10,315 training sequences of 10,887 answers", "2,015,720 response tokens", "trained 40,000 steps",
+                 "| humaneval | 1.699 | 1.411 |", f"(its model card `{shipped / 'card.json'}`)"):
+        assert text in card, text
+    assert "unknown" not in card and "| mean |" not in card
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 512  # the named target's
+
+
 def test_card_without_results_and_bad_arguments(tmp_path):
     run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target", with_results=False)
     out = export_for_serving(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
-                                       "target": "Org/Model", "dtype": None, "max_position_embeddings": None}))
+                                       "target_path": "Org/Model", "dtype": None, "max_position_embeddings": None}))
     card = (out / "README.md").read_text()
     assert "τ: not measured" in card and "vllm serve Org/Model" in card
     with pytest.raises(ValueError, match="dtype='int8'"):
         export_for_serving(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
-                                     "target": None, "dtype": "int8", "max_position_embeddings": None}))
+                                     "target_path": None, "dtype": "int8", "max_position_embeddings": None}))
     with pytest.raises(FileNotFoundError, match="no such directory"):
         export_for_serving(OmegaConf.create({"drafter": {"path": str(tmp_path / "nowhere")}, "out": str(tmp_path / "o"),
-                                     "target": None, "dtype": None, "max_position_embeddings": None}))
+                                     "target_path": None, "dtype": None, "max_position_embeddings": None}))
 
 
 def test_export_imports_no_other_entry_point():

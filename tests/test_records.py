@@ -136,7 +136,7 @@ def test_a_drafter_saved_before_signatures_loads_with_a_warning(env, tmp_path):
 def test_export_refuses_a_card_naming_another_target(tmp_path):
     run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target")
     sibling = perturbed_copy(tmp_path / "target", tmp_path / "sibling")
-    cfg = {"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "served"), "target": str(sibling),
+    cfg = {"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "served"), "target_path": str(sibling),
            "dtype": None, "max_position_embeddings": None}
     with pytest.raises(TargetMismatchError, match=f"target {sibling} has [0-9a-f]{{40}}"):
         export_for_serving(OmegaConf.create(cfg))

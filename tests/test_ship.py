@@ -122,7 +122,7 @@ def test_an_evaluation_of_other_weights_is_refused(tmp_path):
 
 def test_the_dflash_exports_card_reads_tau_from_the_given_evaluation(tmp_path):
     run, evaluation, _ = _long_run(tmp_path)
-    cfg = {"drafter": {"path": str(run / "drafter")}, "out": str(tmp_path / "dflash"), "target": None,
+    cfg = {"drafter": {"path": str(run / "drafter")}, "out": str(tmp_path / "dflash"), "target_path": None,
            "dtype": None, "max_position_embeddings": None}
     card = (export_for_serving(OmegaConf.create({**cfg, "results": str(evaluation)})) / "README.md").read_text()
     assert "| humaneval | 1.812 | 1.457 |" in card

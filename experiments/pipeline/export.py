@@ -5,7 +5,8 @@ loadable by vLLM, SGLang and the ``dflash`` package) and a model card ``README.m
 target, training data, loss and τ per suite come from the training run the drafter was saved in
 (``<run dir>/drafter``): ``run_settings.json`` (the settings and group choices the training used, written by
 the job that trained), else ``.hydra/config.yaml`` and ``.hydra/hydra.yaml``, then ``train_summary.json`` and,
-when the run was evaluated, ``results.json``; items it cannot find read "unknown".
+when the run was evaluated, ``results.json``; a shipped drafter (``experiments/assets/<name>``) from its own
+``card.json``; items it cannot find read "unknown".
 
 The target the card names, when it is a local model folder, is loaded and compared with the weights signature
 the drafter recorded (:func:`drafters.checks.check_target_weights`): another target is refused unless
@@ -17,6 +18,7 @@ the drafter recorded (:func:`drafters.checks.check_target_weights`): another tar
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,29 @@ def trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
     return OmegaConf.create(nested), dict(saved.get("choices") or {})
 
 
+def describe_shipped(drafter_dir: str | Path) -> dict[str, Any] | None:
+    """What a shipped drafter's own card (``card.json``, :mod:`experiments.pipeline.ship`) says of its training;
+    None for a drafter without one (a run's ``drafter`` folder) or with one that cannot be read."""
+    try:
+        card = json.loads((Path(drafter_dir).expanduser() / "card.json").read_text())
+        training, data = card["training"], card["data"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    steps = (training.get("continued_from") or {}).get("total_steps") or training.get("steps")
+    text = None
+    if steps and {"train_rows", "rows", "response_tokens", "answers_sha256"} <= set(data):
+        text = (f"{data['train_rows']:,} training sequences of {data['rows']:,} answers recorded from the target "
+                f"({data['response_tokens']:,} response tokens; answers sha256 `{data['answers_sha256']}`), "
+                f"trained {steps:,} steps")
+    table: dict[str, dict[str, float]] = {}
+    for label, by_suite in (card.get("tau") or {}).items():  # {"T=0": {suite: τ, "mean": τ}}
+        for suite, value in by_suite.items():
+            if suite != "mean":
+                table.setdefault(suite, {})[label] = value
+    return {"data": text, "loss": _loss_text(training.get("loss"), training.get("loss_settings")),
+            "tau": table or None, "card": str(Path(drafter_dir).expanduser().resolve() / "card.json")}
+
+
 def describe_run(drafter_dir: str | Path, results: str | Path | None = None) -> dict[str, Any]:
     """What the model card says about the training run holding ``drafter_dir`` (missing items: None); τ from
     ``results`` (an evaluation's results.json), else from the run's own results.json."""
@@ -137,16 +162,22 @@ def describe_run(drafter_dir: str | Path, results: str | Path | None = None) -> 
         "data": _data_text(cfg, summary),
         "loss": _loss_text(choices.get("loss") or _select(hydra_cfg, "hydra.runtime.choices.loss"), _select(cfg, "loss")),
         "tau": tau_table(evaluation) or None,
-        "max_position_embeddings": _target_positions(target_path),
     }
 
 
-def _target_positions(target_path: str | None) -> int | None:
-    """The target's ``max_position_embeddings`` from its config.json (a local dir only; no hub access)."""
-    if not target_path or not (Path(target_path) / "config.json").is_file():
+def _local_folder(target: str | None) -> Path | None:
+    """``target`` as a local model folder (``~`` and ``$VARS`` such as ``$BLOCKDRAFT_CACHE`` expanded, as committed
+    records write it); None for a hub name or a folder without ``config.json``."""
+    folder = Path(os.path.expandvars(str(target))).expanduser() if target else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def _target_positions(target: str | None) -> int | None:
+    """The target's ``max_position_embeddings`` from its config.json (a local folder only; no hub access)."""
+    if (folder := _local_folder(target)) is None:
         return None
     try:
-        value = json.loads((Path(target_path) / "config.json").read_text()).get("max_position_embeddings")
+        value = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, json.JSONDecodeError):
         return None
     return int(value) if value else None
@@ -155,11 +186,11 @@ def _target_positions(target_path: str | None) -> int | None:
 def check_card_target(drafter: DFlashDrafter, drafter_dir: Path, target: str | None, allow: bool) -> None:
     """Refuse to name ``target`` as ``drafter``'s in the card when its weights are not those the drafter was trained
     for (``allow``: ``drafter.allow_other_target``); a target that is not a local model folder is not checked."""
-    if not target or not (Path(str(target)).expanduser() / "config.json").is_file():
+    if (folder := _local_folder(target)) is None:
         print(f"[export] target {target or 'unknown'} is not a local model folder: its weights are not checked "
               "against the drafter's record", flush=True)
         return
-    model, _ = load_target_model(str(target), "bfloat16")  # the signature rounds to bfloat16 anyway
+    model, _ = load_target_model(str(folder), "bfloat16")  # the signature rounds to bfloat16 anyway
     drafter.attach_target(model)  # another architecture or vocabulary: refused
     check_target_weights(drafter.config.target_fingerprint, model, drafter_dir, allow)
     object.__setattr__(drafter, "_target", None)
@@ -175,15 +206,20 @@ def export_for_serving(cfg: DictConfig) -> Path:
         raise ValueError(f"dtype={cfg.dtype!r}; expected one of {sorted(DTYPES)} or null")
     drafter = factory.load(drafter_dir, allow_edited_settings=bool(cfg.drafter.get("allow_edited_settings", False)))
     info = describe_run(drafter_dir, cfg.get("results"))
+    shipped = describe_shipped(drafter_dir)
+    if shipped:  # a shipped drafter's own card, not the folder it was copied into, tells how it was trained
+        info |= {k: v for k, v in shipped.items() if v is not None and not (k == "tau" and cfg.get("results"))}
     out = Path(str(cfg.out)).expanduser()
-    target = cfg.target or info["target"]
+    target = cfg.target_path or info["target"]
     check_card_target(drafter, drafter_dir, target, bool(cfg.drafter.get("allow_other_target", False)))
     # the card names folders as committed files do (the repository's relative, the cache's as $BLOCKDRAFT_CACHE)
-    notes = f"Exported by blockdraft from `{runs_path(drafter_dir)}` (training run `{runs_path(info['run_dir'])}`)."
+    origin = (f"its model card `{runs_path(shipped['card'])}`" if shipped else
+              f"training run `{runs_path(info['run_dir'])}`")
+    notes = f"Exported by blockdraft from `{runs_path(drafter_dir)}` ({origin})."
     card = model_card(drafter, runs_path(out), target=cache_path(target) if target else None, data=info["data"],
                       loss=info["loss"], tau=info["tau"], notes=notes)
     export_dflash(drafter, out, card=card, dtype=DTYPES.get(cfg.dtype),
-                  max_position_embeddings=cfg.max_position_embeddings or info["max_position_embeddings"])
+                  max_position_embeddings=cfg.max_position_embeddings or _target_positions(target))
     print(f"[export] DFlash drafter written to {out}", flush=True)
     return out
 
