@@ -95,7 +95,8 @@ def test_a_shipped_drafter_is_described_by_its_own_card(tmp_path, monkeypatch):
 def test_card_without_results_and_bad_arguments(tmp_path):
     run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target", with_results=False)
     out = export_for_serving(OmegaConf.create({"drafter": {"path": str(run_dir / "drafter")}, "out": str(tmp_path / "o"),
-                                       "target_path": "Org/Model", "dtype": None, "max_position_embeddings": None}))
+                                               "target_path": "Org/Model", "dtype": None,
+                                               "max_position_embeddings": None}))
     card = (out / "README.md").read_text()
     assert "τ: not measured" in card and "vllm serve Org/Model" in card
     with pytest.raises(ValueError, match="dtype='int8'"):

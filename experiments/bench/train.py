@@ -202,7 +202,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--num-anchors", type=int, nargs="+", default=[32], help="anchors per sequence: each value is a config")
+    p.add_argument("--num-anchors", type=int, nargs="+", default=[32],
+                   help="anchors per sequence: each value is a config")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)

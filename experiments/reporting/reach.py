@@ -14,8 +14,8 @@ its hours and the evaluation of each width (``results.json`` folders, relative t
 A drafter with one budget is a constant (prompt lookup trains nothing); two or more budgets give a least-squares
 line τ = a + b·log2(hours). A budget may also carry its model card's held-out numbers (``"held_out": {"tau": 1.78,
 "k": 7, "slot_accuracy": [0.56, ...]}``): the report gives their table and their gain per doubling of hours, which
-the suites' shift of subject does not touch. With two budgets the line goes through both points: it is a cost model, not a fit
-with an interval, and the report says so. Outputs ``reach.json``, ``reach.md`` and ``reach.png``.
+the suites' shift of subject does not touch. With two budgets the line goes through both points: it is a cost
+model, not a fit with an interval, and the report says so. Outputs ``reach.json``, ``reach.md`` and ``reach.png``.
 
     python -m experiments.reporting.reach <spec.json> [--out DIR]
 """
