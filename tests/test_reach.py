@@ -111,3 +111,33 @@ def test_a_wrong_spec_is_refused_naming_the_file_and_the_field(tmp_path, change,
     with pytest.raises(ValueError, match=message) as refused:
         reach.main([str(path)])
     assert str(path) in str(refused.value)
+
+
+def test_three_budgets_give_the_slope_an_interval_and_the_recent_slope():
+    # +0.1 per doubling from 1 h to 2 h, then +0.02 per doubling from 2 h to 8 h: the gains flatten
+    ln = reach.fit([(8, 1.74), (1, 1.6), (2, 1.7)])   # any order
+    x, y = [0, 1, 3], [1.6, 1.7, 1.74]
+    mx, my = sum(x) / 3, sum(y) / 3
+    b = sum((a - mx) * (c - my) for a, c in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    assert ln["b"] == pytest.approx(b, abs=1e-4) and ln["budgets"] == 3
+    assert ln["b_last"] == pytest.approx(0.02) and ln["a_last"] == pytest.approx(1.68)
+    lo, hi = ln["b_ci95"]
+    assert lo < b < hi and hi - lo > 0.1   # one degree of freedom: a wide interval
+    assert reach.fit([(1, 1.0), (2, 1.1), (4, 1.2)])["b_ci95"] == pytest.approx([0.1, 0.1])  # on a line: no spread
+    assert "b_last" not in reach.fit([(1, 1.0), (2, 1.1)])
+
+
+def test_with_three_budgets_the_report_says_when_at_the_recent_slopes(tmp_path):
+    spec = _spec(tmp_path)   # the subject: 1.5 at 2 h, 1.6 at 8 h; now a third budget, 1.62 at 32 h
+    spec["drafters"]["drafter"]["budgets"].append({"hours": 32, "evals": {"2": _eval(tmp_path, "d32", [1.52, 1.72])}})
+    doc = reach.analyse(spec, tmp_path)
+    ln = doc["lines"]["drafter"]["2"]
+    assert ln["b_last"] == pytest.approx(0.01)   # +0.02 over two doublings
+    lookup = doc["reach"]["lookup"]["rival_chosen_width"]
+    # recent line through (32 h, 1.62) at +0.01 a doubling reaches 1.7 eight doublings later: 32 * 2 ** 8 h
+    assert lookup["at_recent_slopes"]["hours"] == pytest.approx(32 * 2 ** 8)
+    assert lookup["hours"] < lookup["at_recent_slopes"]["hours"]   # the fitted line is steeper than the recent one
+    assert "rival_chosen_width" in doc["reach"]["rival"] and "at_recent_slopes" in doc["reach"]["rival"]["equal_width"]
+    text = "\n".join(reach.markdown(doc))
+    assert f"at the last two budgets' slopes: {32 * 2 ** 8:g} h (256× now)" in text
+    assert "- drafter at width 2: +" in text and "the last two: +0.010" in text

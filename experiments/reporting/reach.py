@@ -15,7 +15,9 @@ A drafter with one budget is a constant (prompt lookup trains nothing); two or m
 line τ = a + b·log2(hours). A budget may also carry its model card's held-out numbers (``"held_out": {"tau": 1.78,
 "k": 7, "slot_accuracy": [0.56, ...]}``): the report gives their table and their gain per doubling of hours, which
 the suites' shift of subject does not touch. With two budgets the line goes through both points: it is a cost
-model, not a fit with an interval, and the report says so. Outputs ``reach.json``, ``reach.md`` and ``reach.png``.
+model, not a fit with an interval, and the report says so; from three on, the report adds the slope's 95% interval
+and the slope of the last two budgets, and when the subject reaches each rival at those recent slopes (lower where
+the gains flatten). Outputs ``reach.json``, ``reach.md`` and ``reach.png``.
 
     python -m experiments.reporting.reach <spec.json> [--out DIR]
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pydantic
+from scipy import stats
 
 from experiments.reporting.plots import plot_reach
 from experiments.reporting.runs import suites_tau
@@ -110,13 +113,30 @@ def _widths(points: dict[str, dict]) -> list[str]:
 
 
 def fit(points: Sequence[tuple[float, float]]) -> dict | None:
-    """y = a + b·log2(hours) through ``(hours, y)`` points (least squares); a constant for one point; None for none."""
+    """y = a + b·log2(hours) through ``(hours, y)`` points (least squares, ``scipy.stats.linregress``); a constant
+    for one point; None for none. From three points on, also the slope's 95% interval (t with n − 2 degrees of
+    freedom) and the line through the last two points (``a_last``, ``b_last``): the recent slope, which is lower
+    than the fitted one where the gains flatten."""
     if not points:
         return None
     if len(points) == 1:
         return {"a": points[0][1], "b": 0.0, "budgets": 1}
-    b, a = np.polyfit(np.log2([p[0] for p in points]), [p[1] for p in points], 1)
-    return {"a": round(float(a), 4), "b": round(float(b), 4), "budgets": len(points)}
+    points = sorted(points)
+    x = np.log2([p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    r = stats.linregress(x, y)
+    out = {"a": round(float(r.intercept), 4), "b": round(float(r.slope), 4), "budgets": len(points)}
+    if len(points) >= 3:
+        half = float(stats.t.ppf(0.975, len(points) - 2) * r.stderr)
+        b_last = float((y[-1] - y[-2]) / (x[-1] - x[-2]))
+        out |= {"b_ci95": [round(float(r.slope) - half, 4), round(float(r.slope) + half, 4)],
+                "a_last": round(float(y[-1] - b_last * x[-1]), 4), "b_last": round(b_last, 4)}
+    return out
+
+
+def recent(ln: dict) -> dict:
+    """The line through a fitted line's last two budgets where it has one (three budgets or more), else itself."""
+    return {"a": ln["a_last"], "b": ln["b_last"]} if "b_last" in ln else ln
 
 
 def line(budgets: Sequence[dict], width: str) -> dict | None:
@@ -149,6 +169,11 @@ def crossing_hours(subject: dict, rival: dict) -> float | None:
     return float(2 ** ((rival["a"] - subject["a"]) / (subject["b"] - rival["b"])))
 
 
+def _when(hours: float | None, now: float) -> dict:
+    return {"hours": None if hours is None else round(hours, 2),
+            "times_now": None if hours is None else round(hours / now, 2)}
+
+
 def analyse(spec: Spec | dict, root: Path) -> dict:
     """Every drafter's points and lines; for the subject at its chosen width, the hours to reach each rival at the
     rival's chosen width and at the subject's."""
@@ -166,9 +191,10 @@ def analyse(spec: Spec | dict, root: Path) -> dict:
         row = {}
         for label, rw in (("rival_chosen_width", str(d["chosen_width"])), ("equal_width", sw)):
             if rw in lines[rival] and sw in lines[subject]:
-                h = crossing_hours(lines[subject][sw], lines[rival][rw])
-                row[label] = {"rival_width": int(rw), "hours": None if h is None else round(h, 2),
-                              "times_now": None if h is None else round(h / now, 2)}
+                sub, riv = lines[subject][sw], lines[rival][rw]
+                row[label] = {"rival_width": int(rw), **_when(crossing_hours(sub, riv), now)}
+                if "b_last" in sub or "b_last" in riv:   # the same from the lines through the last two budgets
+                    row[label]["at_recent_slopes"] = _when(crossing_hours(recent(sub), recent(riv)), now)
         reach[rival] = row
     return {"suites": spec.suites, "temperature": spec.temperature, "subject": subject,
             "subject_width": int(sw), "subject_hours_now": now, "points": points, "lines": lines, "reach": reach,
@@ -189,16 +215,38 @@ def markdown(doc: dict) -> list[str]:
         for b in d["budgets"]:
             cells = [_cell(b["tau"].get(w), int(w) == d["chosen_width"]) for w in widths]
             rows.append(f"| {name} | {b['hours']:g} | " + " | ".join(cells) + " |")
-    rows += ["", (f"Bold: the width chosen for each drafter. The lines τ = a + b·log2(hours) (a line through the "
-                  f"points where a drafter has two budgets: a cost model, not a fit with an interval) say when "
+    rows += ["", (f"Bold: the width chosen for each drafter. Least-squares lines τ = a + b·log2(hours) (through both "
+                  f"points where a drafter has two budgets: a cost model, not a fit with an interval; from three "
+                  f"budgets on, the slope's 95% interval and the slope of the last two budgets) say when "
                   f"{doc['subject']} at width {doc['subject_width']} reaches each rival (now: "
                   f"{doc['subject_hours_now']:g} h):"), ""]
     for rival, row in doc["reach"].items():
         for label, r in row.items():
-            when = ("never at these slopes" if r["hours"] is None else
-                    f"{r['hours']:g} h ({r['times_now']:g}× now)" + (": ahead already" if r["times_now"] <= 1 else ""))
-            rows.append(f"- {rival} at width {r['rival_width']} ({label.replace('_', ' ')}): {when}")
+            text = f"- {rival} at width {r['rival_width']} ({label.replace('_', ' ')}): {_when_text(r)}"
+            if "at_recent_slopes" in r:
+                text += f"; at the last two budgets' slopes: {_when_text(r['at_recent_slopes'])}"
+            rows.append(text)
+    rows += ["", "Gain per doubling of training hours at each trained drafter's chosen width:", ""]
+    for name, d in doc["points"].items():
+        ln = doc["lines"][name].get(str(d["chosen_width"]))
+        if ln is not None and ln["budgets"] > 1:
+            rows.append(f"- {name} at width {d['chosen_width']}: {slope_text(ln)}")
     return rows + held_out_markdown(doc)
+
+
+def _when_text(r: dict) -> str:
+    if r["hours"] is None:
+        return "never at these slopes"
+    return f"{r['hours']:g} h ({r['times_now']:g}× now)" + (": ahead already" if r["times_now"] <= 1 else "")
+
+
+def slope_text(ln: dict) -> str:
+    """``+0.038 per doubling`` with, from three budgets on, its 95% interval and the last two budgets' slope."""
+    text = f"{ln['b']:+.3f} per doubling of hours"
+    if "b_last" in ln:
+        lo, hi = ln["b_ci95"]
+        text += f" (95% interval [{lo:+.3f}, {hi:+.3f}] over {ln['budgets']} budgets; the last two: {ln['b_last']:+.3f})"
+    return text
 
 
 def held_out_markdown(doc: dict) -> list[str]:
@@ -216,7 +264,7 @@ def held_out_markdown(doc: dict) -> list[str]:
     rows.append("")
     for name, ln in doc.get("held_out_lines", {}).items():
         slots = ", ".join(f"{s['b']:+.3f}" for s in ln["slot_accuracy"])
-        rows.append(f"- {name}: held-out τ {ln['tau']['b']:+.3f} per doubling of hours"
+        rows.append(f"- {name}: held-out τ {slope_text(ln['tau'])}"
                     + (f"; accuracy per slot {slots}" if slots else ""))
     return rows
 
