@@ -321,7 +321,8 @@ def plot_data_scale(doc: dict, path: Path) -> Path:
 def plot_reach(doc: dict, path: Path) -> Path:
     """τ at each drafter's chosen width against training hours (log2 scale, :mod:`experiments.reporting.reach`):
     the measured budgets (markers), each line (solid over the measured hours, dotted beyond, up to the furthest
-    crossing), and a constant for a drafter that trains nothing."""
+    crossing; dash-dotted beyond, the slope of the last two budgets where there are three or more), and a constant
+    for a drafter that trains nothing."""
     plt = _pyplot()
     names = list(doc["points"])
     colors = _colors(names)
@@ -344,6 +345,10 @@ def plot_reach(doc: dict, path: Path) -> Path:
             xs = np.geomspace(x0, x1, 20)
             ax.plot(xs, ln["a"] + ln["b"] * np.log2(xs), style, color=colors[name], label=label)
             label = None
+        if "b_last" in ln:   # three budgets or more: the last two budgets' slope onward
+            xs = np.geomspace(seen, hi, 20)
+            ax.plot(xs, ln["a_last"] + ln["b_last"] * np.log2(xs), "-.", color=colors[name], alpha=0.6,
+                    label=f"{name}, the last two budgets' slope")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(_plain_numbers())
     ax.set_xlabel("training hours (log2 scale)")
