@@ -39,7 +39,7 @@ def test_the_subject_reaches_a_constant_where_its_line_does_and_never_a_rival_th
     # 1.45 + 0.05 * log2(h) = 1.7  ->  h = 2 ** 5 = 32 h, 4x now
     assert doc["reach"]["lookup"]["rival_chosen_width"] == {"rival_width": 2, "hours": 32.0, "times_now": 4.0}
     assert doc["reach"]["rival"]["equal_width"]["hours"] is None
-    assert "never at these slopes" in "\n".join(reach.markdown(doc))
+    assert "never (the rival gains at least as fast)" in "\n".join(reach.markdown(doc))
 
 
 def test_a_drafter_already_ahead_is_said_to_be(tmp_path):

@@ -236,7 +236,7 @@ def markdown(doc: dict) -> list[str]:
 
 def _when_text(r: dict) -> str:
     if r["hours"] is None:
-        return "never at these slopes"
+        return "never (the rival gains at least as fast)"
     return f"{r['hours']:g} h ({r['times_now']:g}× now)" + (": ahead already" if r["times_now"] <= 1 else "")
 
 
