@@ -174,19 +174,22 @@ def order_runs(runs: Sequence[Run], order: Sequence[str] = (), baseline: str | N
     return [run for _, run in sorted(enumerate(runs), key=key)]
 
 
-def logged_metric(folder: Path, metric: str = CURVE_METRIC) -> dict[int, float]:
-    """``{step: value}`` of ``metric`` from the first CSV-logger metrics.csv in a training run folder that has it."""
+def logged_rows(folder: Path, metric: str = CURVE_METRIC) -> list[dict[str, str]]:
+    """The rows of the first CSV-logger metrics.csv in a training run folder that logs ``metric`` ([] if none)."""
     for path in [folder / "metrics.csv", folder / "logs" / "metrics.csv", *sorted(folder.glob("*/*/metrics.csv"))]:
         if not path.is_file():
             continue
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-        if not rows or metric not in rows[0]:
-            continue
-        points = {int(float(r["step"])): float(r[metric]) for r in rows if r.get(metric) and r.get("step")}
-        if points:
-            return points
-    return {}
+        if rows and metric in rows[0] and any(r.get(metric) for r in rows):
+            return rows
+    return []
+
+
+def logged_metric(folder: Path, metric: str = CURVE_METRIC) -> dict[int, float]:
+    """``{step: value}`` of ``metric`` from the first CSV-logger metrics.csv in a training run folder that has it."""
+    rows = logged_rows(folder, metric)
+    return {int(float(r["step"])): float(r[metric]) for r in rows if r.get(metric) and r.get("step")}
 
 
 def training_curve(run: Run, metric: str = CURVE_METRIC) -> tuple[list[int], list[float]] | None:
