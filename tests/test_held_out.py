@@ -40,6 +40,22 @@ def test_write_makes_json_markdown_and_plot(tmp_path):
     assert "1.790 (-0.030)" in (tmp_path / "out" / "held_out.md").read_text()
 
 
+def test_a_run_outside_the_repository_is_named_without_this_machines_folders(tmp_path, monkeypatch):
+    monkeypatch.delenv("BLOCKDRAFT_RUNS", raising=False)
+    run = _run(tmp_path / "state" / "dip", "lr3e-4", ["0,0,,0.58,1.82\n"])
+    held_out.main([f"x={run}", "--out", str(tmp_path / "out")])
+    doc = json.loads((tmp_path / "out" / "held_out.json").read_text())
+    assert doc["runs"]["x"]["run_dir"] == ".../state/dip/lr3e-4"
+    assert str(tmp_path) not in (tmp_path / "out" / "held_out.json").read_text()
+
+
+def test_a_run_under_the_runs_folder_is_named_by_its_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(tmp_path / "runs"))
+    run = _run(tmp_path / "runs" / "dip", "lr1e-4", ["0,0,,0.58,1.82\n"])
+    doc = held_out.collect(held_out.parse_runs([f"x={run}"]))
+    assert doc["x"]["run_dir"] == "$BLOCKDRAFT_RUNS/dip/lr1e-4"
+
+
 @pytest.mark.parametrize("spec, error", [("noequals", "NAME=RUN_DIR"), ("x=", "NAME=RUN_DIR"),
                                          ("x={missing}", "no metrics.csv")])
 def test_bad_arguments_are_refused_by_name(tmp_path, spec, error):

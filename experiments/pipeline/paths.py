@@ -44,6 +44,15 @@ def runs_path(path: str | Path) -> str:
     return portable_path(path)
 
 
+def record_path(path: str | Path | None) -> str | None:
+    """A path as a committed record names it: relative to the repository, ``$BLOCKDRAFT_RUNS/...`` or
+    ``$BLOCKDRAFT_CACHE/...``, else ``.../`` and its last three parts (no machine's folders)."""
+    if path is None:
+        return None
+    named = cache_path(runs_path(str(path)))
+    return named if not Path(named).is_absolute() else ".../" + "/".join(Path(named).parts[-3:])
+
+
 def portable_override(override: str) -> str:
     """``key=value`` with a value that names an existing file or folder written as committed records write paths
     (``$BLOCKDRAFT_CACHE/...`` inside the data cache); several overrides joined by spaces, each so."""

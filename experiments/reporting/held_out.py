@@ -1,6 +1,6 @@
 """Held-out curves of training runs side by side: every ``val/*`` metric a run's CSV logger wrote at each validation
 (held-out τ ``val/tau_greedy``, per-slot accuracy, the loss terms), for runs that differ in one setting (a learning
-rate, a schedule, a loss), into ``held_out.json`` (per run: its folder and ``{step, metrics}`` points), ``held_out.md``
+rate, a schedule, a loss), into ``held_out.json`` (per run: its folder as committed records name it, and ``{step, metrics}`` points), ``held_out.md``
 (the τ table, with each point's change from the run's first validation) and ``held_out.png`` (τ against the step).
 
     python -m experiments.reporting.held_out lr3e-4=<run dir> lr1e-4=<run dir> --out DIR [--title TEXT]
@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from experiments.pipeline.paths import record_path
 from experiments.reporting.plots import plot_training_curves
 from experiments.reporting.runs import CURVE_METRIC, logged_rows
 
@@ -40,7 +41,7 @@ def collect(runs: dict[str, Path]) -> dict:
         points = [{"step": int(float(r["step"])), **{k: round(float(v), 4) for k, v in r.items()
                                                      if k.startswith("val/") and v}}
                   for r in logged_rows(folder) if r.get(CURVE_METRIC) and r.get("step")]
-        doc[name] = {"run_dir": str(folder), "points": sorted(points, key=lambda p: p["step"])}
+        doc[name] = {"run_dir": record_path(folder), "points": sorted(points, key=lambda p: p["step"])}
     return doc
 
 

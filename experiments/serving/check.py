@@ -35,7 +35,7 @@ from experiments.data.prompts import encode_prompt
 from experiments.data.suites import load_suites
 from experiments.data.target import eos_token_ids, load_target
 from experiments.pipeline.evaluation import prompt_budget
-from experiments.pipeline.paths import cache_path, runs_path
+from experiments.pipeline.paths import record_path
 from experiments.pipeline.records import machine
 from experiments.serving.compare import sequence_acceptance
 from experiments.serving.engine import ServingError, vllm_python
@@ -173,22 +173,13 @@ def step_costs(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     return costs
 
 
-def _portable(path) -> str | None:
-    """A path as a committed record names it: repository-, $BLOCKDRAFT_RUNS- or $BLOCKDRAFT_CACHE-relative, else
-    its last three parts (no machine's folders)."""
-    if path is None:
-        return None
-    named = cache_path(runs_path(str(path)))
-    return named if not Path(named).is_absolute() else ".../" + "/".join(Path(named).parts[-3:])
-
-
 def settings(cfg: DictConfig) -> dict:
     """What the record keeps of the settings: no machine paths."""
     kept = OmegaConf.to_container(cfg, resolve=True)
     kept.pop("out_dir", None)
-    kept["drafter"]["path"] = _portable(cfg.drafter.path)
-    kept["target"]["path"] = _portable(cfg.target.path)
-    kept["vllm"]["env"] = _portable(cfg.vllm.env)
+    kept["drafter"]["path"] = record_path(cfg.drafter.path)
+    kept["target"]["path"] = record_path(cfg.target.path)
+    kept["vllm"]["env"] = record_path(cfg.vllm.env)
     return kept
 
 
