@@ -503,6 +503,9 @@ def test_portable_override_writes_cache_and_runs_folders_by_their_variables(tmp_
                                    "drafter": [f"l2r_all={runs}/train/x/drafter"]}}, tmp_path / "r.json")
     assert doc["config"] == {"data_dir": "$BLOCKDRAFT_CACHE/regen/tiny/abc", "rows": 4, "out": None,
                              "drafter": ["l2r_all=$BLOCKDRAFT_RUNS/train/x/drafter"]}
+    # the record's own path (a file not yet written, choose_k's --out) under the runs' folder
+    out = runs / "main" / "choose_k.json"
+    assert write_record({"config": {"out": str(out)}}, out)["config"] == {"out": "$BLOCKDRAFT_RUNS/main/choose_k.json"}
     # the machine it was measured on, down to the vector ISA torch's kernels use (speed ratios differ by it)
     assert doc["machine"]["isa"] == torch.backends.cpu.get_cpu_capability() and doc["machine"]["cpu"]
     assert json.loads((tmp_path / "r.json").read_text())["machine"] == doc["machine"]

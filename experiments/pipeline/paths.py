@@ -63,9 +63,11 @@ def portable_override(override: str) -> str:
 
 
 def portable_value(value: str) -> str:
-    """A value naming an existing file or folder as committed records write paths (``$BLOCKDRAFT_CACHE/...``,
-    ``$BLOCKDRAFT_RUNS/...``); other values as given."""
-    if not (value and Path(value).expanduser().exists()):
+    """A value naming an existing file or folder, or an absolute path in an existing folder (a file about to be
+    written), as committed records write paths (``$BLOCKDRAFT_CACHE/...``, ``$BLOCKDRAFT_RUNS/...``); other values
+    as given."""
+    path = Path(value).expanduser() if value else None
+    if path is None or not (path.exists() or (path.is_absolute() and path.parent.is_dir())):
         return value
     cached = cache_path(value)
     return cached if cached != value else runs_path(value)

@@ -202,12 +202,12 @@ def write_record(doc: dict, out: str | Path) -> dict:
     """``doc`` with ``machine`` (:func:`machine`) added and its ``overrides`` written portably
     (:func:`portable_override`), written as JSON to ``out`` (its folder made)."""
 
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)  # first: ``out`` itself is then written as a path
     doc = {**doc, "machine": machine()}
     if "overrides" in doc:
         doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
     if isinstance(doc.get("config"), dict):  # a script's arguments: paths written as the overrides' are
         doc["config"] = {k: _portable_argument(v) for k, v in doc["config"].items()}
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc

@@ -75,6 +75,31 @@ class Run:
         return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
 
 
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def training_budget(run: Run) -> dict | None:
+    """``{"steps", "train_seconds"}`` a trained drafter had in all: a shipped drafter's card (``card.json``; a
+    continuation's totals), else its training run's ``train_summary.json``; None where neither says (baselines)."""
+    drafter_path = (run.doc.get("drafter") or {}).get("path")
+    card = _json_or_none(Path(drafter_path) / "card.json") if drafter_path else None
+    training = (card or {}).get("training") or {}
+    if training.get("steps"):
+        totals = training.get("continued_from") or {}
+        return {"steps": totals.get("total_steps", training["steps"]),
+                "train_seconds": totals.get("total_train_seconds", training.get("train_seconds"))}
+    for folder in run.training_dirs():
+        summary = _json_or_none(folder / "train_summary.json") or {}
+        if summary.get("steps"):
+            return {"steps": summary["steps"], "train_seconds": summary.get("train_seconds")}
+    return None
+
+
 def auto_name(path: Path, doc: dict) -> tuple[str, Any]:
     """``(name, seed)``: the drafter's own name (baselines: ``prompt_lookup``, ``ar_assistant``; a trained drafter
     evaluated with ``drafter.name=...``, with its training run's seed), else the loss choice beside the results or

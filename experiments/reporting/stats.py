@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.reporting.runs import Run
+from experiments.reporting.runs import Run, training_budget
 
 MEAN = "mean"  # the pseudo-suite: unweighted mean of the per-suite τ
 
@@ -247,6 +247,7 @@ def _configuration(r: Run) -> dict:
         "drafter_path": drafter.get("path"),
         "description": drafter.get("description"),
         "training_run": drafter.get("training_run"),
+        "budget": training_budget(r),
         "git_commit": r.doc.get("git_commit"),
     }
 

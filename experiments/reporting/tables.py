@@ -110,6 +110,24 @@ def _source_section(sources: dict[str, dict[str, dict]], names: list[str]) -> li
             *_table(["configuration", "drafted by", *suites], rows)]
 
 
+def _fmt_budget(budget: dict) -> str:
+    seconds = budget.get("train_seconds")
+    time = "" if seconds is None else f", {seconds / 3600:.1f} h" if seconds >= 3600 else f", {seconds / 60:.1f} min"
+    return f"{budget['steps']:,} steps{time}"
+
+
+def budget_lines(configurations: Sequence[dict], base: str) -> list[str]:
+    """A line under a gain table naming the configurations trained for another number of steps than the baseline
+    (their gain is the budget's as well as the loss's); nothing where every known budget is the baseline's."""
+    ref = next((c.get("budget") for c in configurations if base in (c["name"], c["config"])), None)
+    other = [c for c in configurations if ref and c.get("budget") and c["budget"]["steps"] != ref["steps"]]
+    if not other:
+        return []
+    listed = "; ".join(f"{c['name']} {_fmt_budget(c['budget'])}" for c in other)
+    return ["", f"Training budgets differ from {base}'s ({_fmt_budget(ref)}): {listed}. Their gains measure the "
+                f"longer or shorter training as well as the loss; a loss's own gain is measured at an equal budget."]
+
+
 def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
     """report.md: per temperature, tables of τ, gain over the baseline, and speed."""
     names = [c["name"] for c in report["configurations"]]
@@ -145,6 +163,7 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
                             [[n, *(_fmt_gain(report["table"][key][s].get(n)) for s in columns)]
                              for n, c in zip(names, report["configurations"])
                              if n in here and base not in (n, c["config"])])
+            lines += budget_lines([c for c in report["configurations"] if c["name"] in here], base)
         lines += _speed_section(report["table"][key], [s for s in columns if s != MEAN], here)
         lines += _source_section(report.get("draft_sources", {}).get(key, {}), names)
     if plots:
