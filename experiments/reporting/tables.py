@@ -124,8 +124,9 @@ def budget_lines(configurations: Sequence[dict], base: str) -> list[str]:
     if not other:
         return []
     listed = "; ".join(f"{c['name']} {_fmt_budget(c['budget'])}" for c in other)
-    return ["", f"Training budgets differ from {base}'s ({_fmt_budget(ref)}): {listed}. Their gains measure the "
-                f"longer or shorter training as well as the loss; a loss's own gain is measured at an equal budget."]
+    line = (f"Training budgets differ from {base}'s ({_fmt_budget(ref)}): {listed}. Their gains measure the longer "
+            "or shorter training as well as the loss; a loss's own gain is measured at an equal budget.")
+    return ["", line]
 
 
 def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
