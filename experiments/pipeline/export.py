@@ -112,6 +112,14 @@ def trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
     return OmegaConf.create(nested), dict(saved.get("choices") or {})
 
 
+def shipped_budget(training: dict) -> dict[str, Any]:
+    """``{"steps", "train_seconds"}`` a shipped drafter's card (its ``training``) records in all: a continuation's
+    totals (``continued_from``), else its own run's."""
+    totals = training.get("continued_from") or {}
+    return {"steps": totals.get("total_steps") or training.get("steps"),
+            "train_seconds": totals.get("total_train_seconds") or training.get("train_seconds")}
+
+
 def describe_shipped(drafter_dir: str | Path) -> dict[str, Any] | None:
     """What a shipped drafter's own card (``card.json``, :mod:`experiments.pipeline.ship`) says of its training;
     None for a drafter without one (a run's ``drafter`` folder) or with one that cannot be read."""
@@ -120,7 +128,7 @@ def describe_shipped(drafter_dir: str | Path) -> dict[str, Any] | None:
         training, data = card["training"], card["data"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return None
-    steps = (training.get("continued_from") or {}).get("total_steps") or training.get("steps")
+    steps = shipped_budget(training)["steps"]
     text = None
     if steps and {"train_rows", "rows", "response_tokens", "answers_sha256"} <= set(data):
         text = (f"{data['train_rows']:,} training sequences of {data['rows']:,} answers recorded from the target "

@@ -1,7 +1,8 @@
 """Held-out curves of training runs side by side: every ``val/*`` metric a run's CSV logger wrote at each validation
 (held-out τ ``val/tau_greedy``, per-slot accuracy, the loss terms), for runs that differ in one setting (a learning
-rate, a schedule, a loss), into ``held_out.json`` (per run: its folder as committed records name it, and ``{step, metrics}`` points), ``held_out.md``
-(the τ table, with each point's change from the run's first validation) and ``held_out.png`` (τ against the step).
+rate, a schedule, a loss), into ``held_out.json`` (per run: its folder as committed records name it, and
+``{step, metrics}`` points), ``held_out.md`` (the τ table, with each point's change from the run's first validation)
+and ``held_out.png`` (τ against the step).
 
     python -m experiments.reporting.held_out lr3e-4=<run dir> lr1e-4=<run dir> --out DIR [--title TEXT]
 """

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from experiments.pipeline.export import shipped_budget
 from experiments.pipeline.records import temperature_key, training_run_info
 
 CURVE_METRIC = "val/tau_greedy"
@@ -90,9 +91,7 @@ def training_budget(run: Run) -> dict | None:
     card = _json_or_none(Path(drafter_path) / "card.json") if drafter_path else None
     training = (card or {}).get("training") or {}
     if training.get("steps"):
-        totals = training.get("continued_from") or {}
-        return {"steps": totals.get("total_steps", training["steps"]),
-                "train_seconds": totals.get("total_train_seconds", training.get("train_seconds"))}
+        return shipped_budget(training)
     for folder in run.training_dirs():
         summary = _json_or_none(folder / "train_summary.json") or {}
         if summary.get("steps"):
