@@ -179,7 +179,8 @@ def load(directory: str | Path, target: nn.Module | None = None, allow_other_tar
     :func:`drafters.checks.check_target_weights`). A DFlash serving checkpoint is converted
     (:func:`drafters.dflash.load_dflash`, needs ``target``). Its weights files and settings are checked against
     the record saved with them (:func:`drafters.integrity.check_saved_record`): changed weights are refused, and
-    edited settings unless ``allow_edited_settings``. Returned in eval mode."""
+    edited settings unless ``allow_edited_settings``; so are weights that are not all finite
+    (:func:`drafters.integrity.check_finite_weights`). Returned in eval mode."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"drafter directory {directory} does not exist")
@@ -190,6 +191,7 @@ def load(directory: str | Path, target: nn.Module | None = None, allow_other_tar
     check_safetensors(directory / WEIGHTS_NAME)
     load_format = _load_dflash_format if _is_dflash(raw) else _load_blockdraft
     drafter = load_format(directory, raw, target)
+    integrity.check_finite_weights(drafter.state_dict(), directory / WEIGHTS_NAME)
     integrity.check_saved_record(directory, CONFIG_NAME, _settings(raw, drafter), allow_edited_settings)
     if target is not None:
         check_target_weights(drafter.config.target_fingerprint, target, directory, allow_other_target)

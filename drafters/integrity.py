@@ -15,7 +15,9 @@ it read, in the record's spelling:
 * a setting that differs from the recorded one (``block_size`` edited from 4 to 8 in ``config.json``) is
   refused, naming the file, the key and both values, unless :data:`OVERRIDE` is given: then it is used with a
   warning, and :func:`edited_settings` says what was edited for the evaluation's results;
-* a drafter saved before blockdraft wrote records (or by another tool) loads with a one-line warning.
+* a drafter saved before blockdraft wrote records (or by another tool) loads with a one-line warning;
+* weights holding a NaN or an infinity are refused when saved (:func:`write_record` reads the written files back
+  before recording them) and when loaded (:func:`check_finite_weights`), naming the file and the tensor.
 
 The sha256 is that of the whole file (``sha256sum model.safetensors`` gives the same).
 """
@@ -28,6 +30,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file
+
 from drafters.storage import DamagedFileError, read_json, sha256_file, write_json_atomic
 
 RECORD_NAME = "blockdraft_record.json"
@@ -39,10 +44,35 @@ class ChangedDrafterError(ValueError):
     """A saved drafter's weights or settings are not those recorded when it was saved."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """A drafter's weights hold a NaN or an infinity (a diverged training run): never saved, shipped or loaded."""
+
+
+def check_finite_weights(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None:
+    """Refuse ``tensors`` (a state dict) when a floating-point one holds a NaN or an infinity, naming ``where`` (the
+    weights file), the first such tensor and how many of its values are not finite."""
+    for name, tensor in tensors.items():
+        if not (torch.is_tensor(tensor) and tensor.is_floating_point()) or bool(torch.isfinite(tensor).all()):
+            continue
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise NonFiniteWeightsError(
+            f"drafter weights {where}: tensor {name} (shape {tuple(tensor.shape)}) holds {bad} NaN or infinite "
+            "values: the training that made them diverged; train again (e.g. with a lower learning rate) or use "
+            "an earlier checkpoint")
+
+
 def write_record(directory: str | Path, settings: Mapping[str, Any], files: Sequence[str]) -> None:
     """Write :data:`RECORD_NAME` in ``directory``: the sha256 of each of ``files`` (names in it, written
-    already) and ``settings`` (JSON values)."""
+    already) and ``settings`` (JSON values). A file whose weights are not all finite is refused
+    (:class:`NonFiniteWeightsError`), and a record already in ``directory`` is removed: the folder then holds no
+    drafter that loads."""
     directory = Path(directory)
+    for name in files:
+        try:
+            check_finite_weights(load_file(str(directory / name)), directory / name)
+        except NonFiniteWeightsError:
+            (directory / RECORD_NAME).unlink(missing_ok=True)
+            raise
     write_json_atomic(directory / RECORD_NAME, {
         "weights_sha256": {name: sha256_file(directory / name) for name in sorted(files)},
         "settings": _plain(settings)})
@@ -132,5 +162,5 @@ def check_saved_record(directory: str | Path, config_name: str, settings: Mappin
                               f"or set {OVERRIDE} to use the edited ones")
 
 
-__all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "ChangedDrafterError", "check_saved_record", "edited_settings",
-           "read_record", "write_record"]
+__all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "ChangedDrafterError", "NonFiniteWeightsError", "check_finite_weights",
+           "check_saved_record", "edited_settings", "read_record", "write_record"]

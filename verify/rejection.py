@@ -41,8 +41,8 @@ def warp_probs(
     """
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty vocabulary dimension, got shape {tuple(logits.shape)}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):  # NaN fails every comparison
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be None or >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:

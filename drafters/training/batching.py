@@ -51,6 +51,7 @@ def sample_anchors(
 
 
 FEATURE_KEYS = ("features", "head_states")  # cached per-column target tensors a batch may carry
+SOURCE_ROWS = "source_rows"  # (B,) long: each batch row's index in its data dir (named when a step fails)
 
 
 def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -59,7 +60,8 @@ def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
     Returns ``input_ids (B, S) long`` (padding = ``pad_token_id``), ``attention_mask (B, S) long``,
     ``prompt_len (B,) long`` and ``length (B,) long``; rows with cached target ``features`` ((len, F)
     tensors, see :mod:`drafters.training.features`) add ``features (B, S, F)``, zero at padding; likewise
-    ``head_states`` (the target's final states, for soft labels).
+    ``head_states`` (the target's final states, for soft labels). Rows with a ``row`` (their index in the data
+    dir) add ``source_rows (B,) long``, so that a failing step can name the rows it read.
     """
     if not rows:
         raise ValueError("cannot collate an empty batch")
@@ -76,6 +78,8 @@ def collate(rows: Sequence[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
         "prompt_len": torch.tensor([int(r["prompt_len"]) for r in rows], dtype=torch.long),
         "length": torch.tensor(lengths, dtype=torch.long),
     }
+    if all("row" in r for r in rows):
+        batch[SOURCE_ROWS] = torch.tensor([int(r["row"]) for r in rows], dtype=torch.long)
     for key in FEATURE_KEYS:
         if key in rows[0]:
             feats = torch.zeros(len(rows), width, rows[0][key].shape[-1])

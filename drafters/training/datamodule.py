@@ -135,7 +135,8 @@ def split_by_id(ids: Sequence[str], fraction: float) -> tuple[list[int], list[in
 
 class RegenDataset(Dataset):
     """Rows of a regenerated dataset, cut to ``max_length`` tokens (rows left without a response
-    token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int}``, plus
+    token are dropped). Items are ``{"input_ids": list[int], "prompt_len": int, "row": int}`` (``row``: the index
+    in ``data``), plus
     one (len, F) float tensor per :class:`drafters.training.features.FeatureStore` of the same rows and
     ``max_length`` in ``features``, under its key (``{"features": store, "head_states": store}``)."""
 
@@ -160,7 +161,7 @@ class RegenDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.data[self.indices[i]]
         ids = row["input_ids"] if self.max_length is None else row["input_ids"][: self.max_length]
-        item = {"input_ids": ids, "prompt_len": int(row["prompt_len"])}
+        item = {"input_ids": ids, "prompt_len": int(row["prompt_len"]), "row": self.indices[i]}
         for key, store in self.features.items():
             item[key] = store[self.indices[i]]
             if item[key].shape[0] != len(ids):

@@ -25,6 +25,7 @@ from torch import nn
 from drafters.config import accepts_argument
 from drafters.factory import check_same_config
 from drafters.tau import batch_tau_counts
+from drafters.training.batching import SOURCE_ROWS
 from drafters.training.blocks import run_target, select_blocks, slot_stats
 from drafters.training.compat import register_output_recording, strip_output_capturing_hooks
 from drafters.training.optim import warmup_cosine, weight_decay_groups
@@ -33,7 +34,11 @@ from drafters.training.vocab import TrainVocab
 
 # warmup_cosine stays importable from here: the configs (and saved runs' configs) name it
 # drafters.training.module.warmup_cosine.
-__all__ = ["DrafterLightningModule", "warmup_cosine"]
+__all__ = ["DrafterLightningModule", "NonFiniteLossError", "warmup_cosine"]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training step's loss is NaN or infinite: training stops before the optimizer step applies it."""
 
 
 class DrafterLightningModule(L.LightningModule):
@@ -131,6 +136,7 @@ class DrafterLightningModule(L.LightningModule):
                                                           self._generator(self.global_step, self.global_rank),
                                                           self.train_vocab)
         loss, components = self.loss(logits, labels, mask, target_probs)
+        self._check_finite_loss(loss, batch, batch_idx)
         bsz = batch["input_ids"].shape[0]
         with torch.no_grad():
             correct, count, lead = slot_stats(logits, labels, mask)
@@ -142,6 +148,35 @@ class DrafterLightningModule(L.LightningModule):
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bsz)
         self.log_dict(logs, batch_size=bsz)
         return loss
+
+    def _check_finite_loss(self, loss: torch.Tensor, batch, batch_idx: int) -> None:
+        """Stop training on a NaN or infinite loss (before it reaches the weights), naming the step and the data
+        rows of the batch. Every rank decides together (one rank stopping alone would leave the others waiting)."""
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            return
+        where = f"training loss is {loss.detach().float().cpu().tolist()} at step {self.global_step}"
+        if finite:
+            raise NonFiniteLossError(f"{where} on another rank (this rank's loss is finite); that rank's error "
+                                     "names the rows; training stopped")
+        raise NonFiniteLossError(f"{where} (batch {batch_idx} of epoch {self.current_epoch}), {self._rows_of(batch)}; "
+                                 "training stopped: check these rows (and their cached features), or lower the "
+                                 "learning rate")
+
+    def _rows_of(self, batch) -> str:
+        """The data rows of a batch as a message names them: indices into the data dir, and ids when known."""
+        if SOURCE_ROWS not in batch:
+            return "its source rows unknown (the batch carries no source_rows)"
+        rows = batch[SOURCE_ROWS].tolist()
+        train_set = getattr(getattr(self.trainer, "datamodule", None), "train_set", None)
+        data = getattr(train_set, "data", None)
+        try:
+            ids = [data[i]["id"] for i in rows] if data is not None else None
+        except (IndexError, KeyError, TypeError):
+            ids = None
+        root = getattr(self.trainer.datamodule, "data_dir", None) if data is not None else None
+        shown = f"source rows {rows}" + (f" of data dir {root}" if root is not None else "")
+        return shown + (f" (ids {ids})" if ids else "")
 
     def on_validation_epoch_start(self) -> None:
         if self.val_sums is not None:

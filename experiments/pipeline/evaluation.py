@@ -138,8 +138,8 @@ def evaluate_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, sui
     s = settings or DecodingSettings()
     if s.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {s.batch_size}")
-    if temperature < 0:
-        raise ValueError(f"temperatures must be >= 0, got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):  # NaN fails every comparison
+        raise ValueError(f"temperatures must be finite numbers >= 0, got {temperature}")
     run = start_decoding(target, tokenizer, suite, temperature, s)
     answers: list[list[str]] = [[] for _ in prompts]  # the model's own answers, fed back before later turns
     turns: list[list[dict]] = [[] for _ in prompts]  # per prompt, per turn: new_tokens, steps, accepted_counts

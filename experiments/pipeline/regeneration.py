@@ -38,6 +38,7 @@ Settings: the stage's own (device, batch size, shard size, decontamination) are 
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -180,6 +181,10 @@ def _regenerate(cfg: DictConfig) -> Path:
     gen = cfg.data.generation
     if gen.max_new_tokens < 1:
         raise ValueError(f"data.generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+    for key in ("temperature", "top_p"):
+        value = gen.get(key)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"data.generation.{key} is {value}: give a finite number >= 0")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     data_dir = Path(cfg.data.data_dir).expanduser()

@@ -9,6 +9,7 @@ evaluation at the end of ``experiments.train`` (``evaluate:``) share: both compo
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,11 @@ class DecodingSettings:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
+        numbers = {"top_p": self.top_p, **{f"temperatures[{i}]": t for i, t in enumerate(self.temperatures)}}
+        for key, value in numbers.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"decoding setting {key} is {value}: give a finite number "
+                                 "(temperatures >= 0, top_p in (0, 1] or null)")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {list(self.temperatures)}")
         if self.top_k is not None and self.top_k < 1:

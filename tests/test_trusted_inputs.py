@@ -1,0 +1,117 @@
+"""Issue 73: nothing cached, shipped or exported is trusted unchecked, and no non-finite number gets through.
+
+Non-finite losses stop training (naming the step and the rows), non-finite weights are neither saved nor loaded,
+non-finite decoding settings are refused naming the setting.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import lightning as L
+import pytest
+import torch
+from conftest import left_padded_prompts, tiny_target
+from safetensors.torch import load_file, save_file
+
+from drafters import factory
+from drafters.integrity import RECORD_NAME, NonFiniteWeightsError
+from drafters.training.datamodule import RegenDataModule, write_meta, write_shard
+from drafters.training.module import DrafterLightningModule, NonFiniteLossError
+from experiments.pipeline.settings import DecodingSettings
+from losses import AcceptanceAlignedLoss
+from verify.rejection import warp_probs
+
+VOCAB = 64
+
+
+def _target():
+    return tiny_target("llama", vocab_size=VOCAB, hidden_size=32)
+
+
+class NanAtStep(torch.nn.Module):
+    """AcceptanceAlignedLoss whose loss turns NaN from the ``step``-th call on (a diverging run)."""
+
+    soft = False
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.inner, self.step, self.calls = AcceptanceAlignedLoss(), step, 0
+
+    def forward(self, *args):
+        loss, components = self.inner(*args)
+        self.calls += 1
+        return (loss * float("nan") if self.calls > self.step else loss), components
+
+
+def test_training_stops_on_a_non_finite_loss_naming_the_step_and_rows(tmp_path):
+    target = _target()
+    ids, _ = left_padded_prompts([4] * 12, VOCAB, seed=1)
+    rows = [{"id": f"row/{b}", "domain": "code", "input_ids": ids[b].tolist() + [5, 6, 7, 8, 9], "prompt_len": 4}
+            for b in range(12)]
+    write_shard(rows, tmp_path)
+    write_meta(tmp_path, {"complete": True})
+    torch.manual_seed(0)
+    drafter = factory.from_target(target, block_size=4)
+    module = DrafterLightningModule(drafter, target, NanAtStep(2),
+                                    optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), num_anchors=4)
+    datamodule = RegenDataModule(str(tmp_path), batch_size=4, val_fraction=0.0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    with pytest.raises(NonFiniteLossError, match=r"training loss is nan at step 2 ") as err:
+        trainer.fit(module, datamodule=datamodule)
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path) in message
+    shown = [int(i) for i in message.split("source rows [")[1].split("]")[0].split(",")]
+    assert len(shown) == 4 and len(set(shown)) == 4 and all(0 <= i < 12 for i in shown)
+    assert all(f"'row/{i}'" in message for i in shown)  # the rows' ids, in the same order
+    assert trainer.global_step == 2  # the NaN step never reached the optimizer
+    assert all(torch.isfinite(p).all() for p in drafter.parameters())
+
+
+def test_non_finite_weights_are_neither_saved_nor_loaded(tmp_path):
+    target = _target()
+    drafter = factory.from_target(target, block_size=4)
+    good = tmp_path / "good"
+    drafter.save_pretrained(good)
+    assert factory.load(good, target=target) is not None and (good / RECORD_NAME).is_file()
+
+    name = next(n for n, p in drafter.named_parameters() if p.ndim == 2)
+    with torch.no_grad():
+        dict(drafter.named_parameters())[name][0, 0] = float("inf")
+    with pytest.raises(NonFiniteWeightsError, match=rf"{good}/model.safetensors: tensor {name} .*holds 1 NaN"):
+        drafter.save_pretrained(good)  # saving over a good drafter
+    assert not (good / RECORD_NAME).exists()  # the folder no longer claims a checked drafter
+
+    # a NaN written into the weights file of a saved drafter (no record: only the warning would stop nothing)
+    with torch.no_grad():
+        dict(drafter.named_parameters())[name][0, 0] = 0.0
+    saved = tmp_path / "saved"
+    drafter.save_pretrained(saved)
+    weights = load_file(str(saved / "model.safetensors"))
+    weights[name][1, 1] = float("nan")
+    save_file(weights, str(saved / "model.safetensors"))
+    (saved / RECORD_NAME).unlink()
+    with pytest.raises(NonFiniteWeightsError, match=rf"{saved}/model.safetensors: tensor {name} "):
+        factory.load(saved, target=target)
+
+
+@pytest.mark.parametrize(("settings", "key"), [
+    ({"temperatures": (0.0, math.nan)}, "temperatures[1]"),
+    ({"temperatures": (math.inf,)}, "temperatures[0]"),
+    ({"top_p": math.nan}, "top_p"),
+])
+def test_non_finite_decoding_settings_are_refused_naming_the_setting(settings, key):
+    with pytest.raises(ValueError, match=rf"^decoding setting {re.escape(key)} is "):
+        DecodingSettings(**settings)
+
+
+def test_warp_probs_refuses_a_non_finite_temperature():
+    logits = torch.randn(2, 8)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            warp_probs(logits, bad)
+    assert torch.allclose(warp_probs(logits, 1.0).sum(-1), torch.ones(2))
