@@ -32,9 +32,11 @@ from verify.target_pass import (
     drop_finished,
     head_logits,
     is_plain_head,
+    keep_columns,
     prefill,
     reads_head_once,
 )
+from verify.tree import DraftTree, TreeDrafter, ancestor_mask, check_tree, node_depths, walk_tree
 
 # The earlier private names of what moved to verify.inputs and verify.target_pass (tests and benchmarks use them).
 _check_inputs, _eos_tensor, _is_plain_head = check_inputs, eos_tensor, is_plain_head
@@ -178,6 +180,52 @@ def _verify(run: TargetPass, live: Live, drafts, q, slots, temperature, top_k, t
     return Step(block, slots, num_accepted, next_token)
 
 
+def _draft_tree(drafter, live: Live, temperature, top_k, top_p, generator) -> DraftTree:
+    """The drafter's trees (checked), without the nodes deeper than any row can still keep."""
+    tree = drafter.draft_tree(live.anchor, live.anchor_pos, temperature=temperature, top_k=top_k, top_p=top_p,
+                              generator=generator)
+    if tree.tokens.shape[0] != len(live.rows):
+        raise ValueError(f"drafter.draft_tree returned {tree.tokens.shape[0]} trees for {len(live.rows)} rows")
+    check_tree(tree, drafter.num_draft_tokens)
+    depth = node_depths(tree)[:, 1:]  # (B, N)
+    valid = tree.valid & (depth <= max(live.remaining_list))
+    used = int(valid.any(dim=0).nonzero().max()) + 1 if bool(valid.any()) else 0  # trailing padding dropped
+    return DraftTree(tree.tokens[:, :used], tree.parents[:, :used], valid[:, :used])
+
+
+def _tree_mask(live: Live, tree: DraftTree, dtype: torch.dtype) -> torch.Tensor:  # (B, 1, N + 1, C + N + 1)
+    """The additive attention mask of a tree step: each column sees the committed context and its ancestors."""
+    tree_part = ancestor_mask(tree)  # (B, N + 1, N + 1)
+    context = live.mask.bool().unsqueeze(1).expand(-1, tree_part.shape[1], -1)  # (B, N + 1, C)
+    seen = torch.cat([context, tree_part], dim=2)
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+
+
+def _verify_tree(run: TargetPass, live: Live, tree: DraftTree, temperature, top_k, top_p, generator,
+                 clock) -> Step:
+    """The target's forward over ``[anchor, node_1..node_N]`` with an ancestor-only mask, the exact walk
+    (:func:`verify.tree.walk_tree`), and the cache, hidden states and block cut to each row's accepted path: the
+    returned step reads as a chain step of width max(accepted)."""
+    block = torch.cat([live.anchor.unsqueeze(1), tree.tokens], dim=1)  # (B, N + 1)
+    positions = live.anchor_pos.unsqueeze(1) + node_depths(tree)  # (B, N + 1)
+    dtype = run.target.get_input_embeddings().weight.dtype
+    mask = _tree_mask(live, tree, dtype if dtype.is_floating_point else torch.float32)
+    if run.lazy:
+        _, hidden, final = run(block, mask, positions, logits_to_keep=run.no_logits)
+        logits = head_logits(run.head, final)  # (B, N + 1, V)
+    else:
+        logits, hidden, _ = run(block, mask, positions)
+    clock.lap("target_forward")
+    num_accepted, next_token, path = walk_tree(tree, logits, temperature, top_k, top_p, generator)
+    path = path[:, : int(num_accepted.max()) + 1]  # (B, n + 1) columns: root, then the accepted nodes
+    keep_columns(run.cache, live.mask.shape[1], path)
+    if hidden is not None:
+        live.hidden = tuple(h.gather(1, path.unsqueeze(-1).expand(-1, -1, h.shape[-1])) for h in hidden)
+    clock.lap("verify")
+    slots = torch.arange(path.shape[1], device=block.device)
+    return Step(block.gather(1, path), slots, num_accepted, next_token)
+
+
 def _emit(live: Live, step: Step, eos: torch.Tensor, out: _Decoded) -> tuple[list[int], list[int]]:
     """Append each row's emitted tokens d_1..d_n, next (truncated at the first EOS and at the row's
     budget) and kept-draft count to ``out``; returns per row (done, drafts accepted)."""
@@ -227,15 +275,24 @@ def _decode(
     out = _Decoded([[] for _ in range(batch_size)], [[] for _ in range(batch_size)], 0, 0.0,
                    draft_sources=[[] for _ in range(batch_size)])
     all_slots = torch.arange(num_drafts + 1, device=input_ids.device)  # (K + 1,)
+    trees = isinstance(drafter, TreeDrafter)
     while live.rows:
-        drafts, q = _draft(drafter, live, num_drafts, temperature, top_k, top_p, generator)
-        if drafter is not None:
+        if trees:
+            tree = _draft_tree(drafter, live, temperature, top_k, top_p, generator)
             _record_sources(drafter, live.rows, out)
             clock.lap("draft")
-        slots = all_slots[: drafts.shape[1] + 1]  # (W + 1,)
-        step = _verify(run, live, drafts, q, slots, temperature, top_k, top_p, generator, clock)
+            step = _verify_tree(run, live, tree, temperature, top_k, top_p, generator, clock)
+            width = tree.tokens.shape[1]
+        else:
+            drafts, q = _draft(drafter, live, num_drafts, temperature, top_k, top_p, generator)
+            if drafter is not None:
+                _record_sources(drafter, live.rows, out)
+                clock.lap("draft")
+            slots = all_slots[: drafts.shape[1] + 1]  # (W + 1,)
+            step = _verify(run, live, drafts, q, slots, temperature, top_k, top_p, generator, clock)
+            width = drafts.shape[1]
         out.num_batched_forwards += 1
-        out.num_verified_slots += drafts.shape[1]
+        out.num_verified_slots += width
         done_list, accepted_list = _emit(live, step, eos, out)
         clock.lap("bookkeeping")
         if any(done_list):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def _check_finite(logits: torch.Tensor) -> None:
+def check_finite(logits: torch.Tensor) -> None:
     # All finite iff the smallest and the largest value are (NaN propagates through min/max): two
     # vectorised reductions, ~15x cheaper on CPU than materialising isfinite over (B, K + 1, V).
     if logits.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(logits))).all()):
@@ -47,7 +47,7 @@ def warp_probs(
         raise ValueError(f"top_k must be None or >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
-    _check_finite(logits)
+    check_finite(logits)
     logits = logits.float()
     vocab_size = logits.shape[-1]
     if temperature == 0:
@@ -180,7 +180,7 @@ def verify_greedy(
             f"expected draft_tokens (B, K) and target_logits (B, K + 1, V), got {tuple(draft_tokens.shape)} "
             f"and {tuple(target_logits.shape)}"
         )
-    _check_finite(target_logits)
+    check_finite(target_logits)
     greedy = target_logits.argmax(dim=-1)  # (B, K + 1)
     matches = (draft_tokens == greedy[:, :-1]).long()  # (B, K)
     num_accepted = matches.cumprod(dim=-1).sum(dim=-1)  # (B,)

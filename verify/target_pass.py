@@ -167,6 +167,19 @@ def drop_finished(live: Live, step: Step, done_list, accepted_list, cache, draft
     return [accepted_list[i] for i in keep]
 
 
+def keep_columns(cache, start: int, index: torch.Tensor) -> None:
+    """Keep, after the cache's first ``start`` columns, the columns ``start + index[b]`` of each row, in that order
+    (index (B, n) long, relative to ``start``), and drop the rest: a tree step keeps its accepted path."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True):
+            continue
+        for name in ("keys", "values"):
+            states = getattr(layer, name)  # (B, h, start + N + 1, d)
+            where = (start + index)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+            states[:, :, start : start + index.shape[1]] = states.gather(2, where)
+        layer.crop(start + index.shape[1] - layer.keys.shape[-2])
+
+
 def advance(live: Live, step: Step, accepted_list: list[int], cache, drafter, clock) -> None:
     """Keep the columns [anchor, d_1..d_n], n = the largest accepted count among live rows (rows that
     kept fewer get holes), hand them to the drafter, and move every anchor to its next token."""
