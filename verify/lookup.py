@@ -51,6 +51,10 @@ class PromptLookupDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self._tokens = [self._tokens[i] for i in rows.tolist()]
 
+    def sequences(self, anchor_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Per row, its committed tokens followed by its anchor (L,) long, on the CPU: what the lookup reads."""
+        return [torch.cat([history, anchor.view(1)]) for history, anchor in zip(self._tokens, anchor_ids.cpu())]
+
     def draft(self, anchor_ids, anchor_position_ids=None, **sampling):
         drafts = []
         for history, anchor in zip(self._tokens, anchor_ids.cpu()):
@@ -208,3 +212,25 @@ def copy_tokens(seq: torch.Tensor, start: int, k: int) -> torch.Tensor:
     (the pattern repeats with period L - start). Returns (k,) long."""
     period = seq[start:]
     return period.repeat(-(-k // period.numel()))[:k]
+
+
+def lookup_paths(seq: torch.Tensor, max_ngram: int, min_ngram: int, depth: int,
+                 max_paths: int = 1) -> tuple[int, list[list[int]]]:
+    """``(n, paths)``: the length n of the longest suffix n-gram of ``seq`` (L,) in ``max_ngram..min_ngram`` that
+    occurs earlier (0: none does), and up to ``max_paths`` distinct continuations of ``depth`` tokens of its
+    occurrences, the latest first (each as :func:`copy_tokens` continues it). With n = 0 the one path repeats the
+    last token, as :class:`PromptLookupDrafter` drafts."""
+    length = seq.numel()
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # (L - n, n)
+        hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten().flip(0)  # latest first
+        if hits.numel():
+            paths: list[list[int]] = []
+            for start in (hits + n).tolist():
+                path = copy_tokens(seq, start, depth).tolist()
+                if path not in paths:
+                    paths.append(path)
+                    if len(paths) == max_paths:
+                        break
+            return n, paths
+    return 0, [copy_tokens(seq, length - 1, depth).tolist()]
