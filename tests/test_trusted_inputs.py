@@ -7,6 +7,7 @@ non-finite decoding settings are refused naming the setting.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 
@@ -14,12 +15,15 @@ import lightning as L
 import pytest
 import torch
 from conftest import left_padded_prompts, tiny_target
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from drafters import factory
 from drafters.integrity import RECORD_NAME, NonFiniteWeightsError
 from drafters.training.datamodule import RegenDataModule, write_meta, write_shard
 from drafters.training.module import DrafterLightningModule, NonFiniteLossError
+from experiments.pipeline.export import export_for_serving
+from experiments.pipeline.paths import run_name_problem
 from experiments.pipeline.settings import DecodingSettings
 from losses import AcceptanceAlignedLoss
 from verify.rejection import warp_probs
@@ -115,3 +119,68 @@ def test_warp_probs_refuses_a_non_finite_temperature():
         with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
             warp_probs(logits, bad)
     assert torch.allclose(warp_probs(logits, 1.0).sum(-1), torch.ones(2))
+
+
+# ----------------------------------------------------------------------------- 2. run names, export folders, cards
+
+
+@pytest.mark.parametrize("value", ["../../x", "a/b", "..", ".", "", "a\\b"])
+def test_a_run_name_that_is_a_path_is_refused_naming_the_key(value):
+    problem = run_name_problem(value)
+    assert problem.startswith(f"name={value} is not a run name: it must be one folder name") and "\n" not in problem
+    assert run_name_problem("tiny-dflash-uniform-s0") is None and run_name_problem("l2r_all.g1") is None
+
+
+def test_train_refuses_name_with_dots_before_any_folder_exists(tmp_path, monkeypatch):
+    from test_train import offline_env, run_main
+
+    from experiments import train
+
+    offline_env(monkeypatch, tmp_path)
+    with pytest.raises(SystemExit) as info:
+        run_main(train, ["loss=uniform", "name=../../x"])
+    assert info.value.code.startswith("error: name=../../x is not a run name")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()
+
+
+def _export_cfg(drafter_dir, out):
+    return OmegaConf.create({"drafter": {"path": str(drafter_dir)}, "out": str(out), "target_path": "Org/Model",
+                             "dtype": None, "max_position_embeddings": None})
+
+
+def test_export_refuses_the_drafters_own_folder_and_a_foreign_one(tmp_path):
+    from test_export import fake_run
+
+    run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target", with_results=False)
+    drafter_dir = run_dir / "drafter"
+    before = {p.name: p.read_bytes() for p in drafter_dir.iterdir()}
+    with pytest.raises(ValueError, match=rf"^out={drafter_dir} is the folder of the drafter it exports"):
+        export_for_serving(_export_cfg(drafter_dir, drafter_dir))
+    assert {p.name: p.read_bytes() for p in drafter_dir.iterdir()} == before
+    with pytest.raises(ValueError, match=rf"^out={run_dir} is a non-empty folder that is not a DFlash export"):
+        export_for_serving(_export_cfg(drafter_dir, run_dir))  # the training run's folder
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("mine")
+    with pytest.raises(ValueError, match=rf"^out={foreign} is a non-empty folder that is not a DFlash export "
+                                         r"\(it holds thesis.tex\)"):
+        export_for_serving(_export_cfg(drafter_dir, foreign))
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"]
+    out = export_for_serving(_export_cfg(drafter_dir, tmp_path / "served"))
+    assert export_for_serving(_export_cfg(drafter_dir, out)) == out  # an earlier export is replaced
+    export_for_serving(_export_cfg(drafter_dir, drafter_dir / "dflash"))  # beside the drafter, as shipped ones are
+    assert factory.load(drafter_dir) is not None
+
+
+def test_the_card_publishes_no_interpolation_of_the_run_settings(tmp_path, monkeypatch):
+    from test_export import fake_run
+
+    run_dir, _ = fake_run(tmp_path / "runs", tmp_path / "target", with_results=False)
+    monkeypatch.setenv("BLOCKDRAFT_SECRET_HOME", "/home/someone/private")
+    (run_dir / "run_settings.json").write_text(json.dumps({"choices": {"loss": "l2r_all"}, "settings": {
+        "data.generation.prompts.sources": ["${oc.env:BLOCKDRAFT_SECRET_HOME}/prompts"],  # an escaped interpolation
+        "data.generation.temperature": 1.0, "loss.gamma": 7.0, "loss.focal_weight": 0.3}}))
+    out = export_for_serving(_export_cfg(run_dir / "drafter", tmp_path / "served"))
+    card = (out / "README.md").read_text()
+    assert "${" not in card and "/home/someone" not in card
+    assert "`l2r_all` (blockdraft AcceptanceAlignedLoss: gamma=7.0, focal_weight=0.3)" in card

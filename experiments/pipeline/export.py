@@ -45,15 +45,33 @@ def _load_yaml(path: Path) -> DictConfig | None:
     return cfg if isinstance(cfg, DictConfig) else None
 
 
-def _select(cfg: DictConfig | None, key: str) -> Any:
-    """``cfg[key]`` resolved when possible, else None (run configs may use resolvers not registered here)."""
+def _select(cfg: DictConfig | dict | None, key: str) -> Any:
+    """``cfg[key]`` resolved when possible, else None (run configs may use resolvers not registered here). A plain
+    dict (a run's ``run_settings.json``: values as the training resolved them) is read as it is, never resolved
+    again. A value that still holds an interpolation (``${oc.env:...}`` escaped in the run's config) is None: a
+    card publishes resolved values, or says "unknown"."""
     if cfg is None:
         return None
+    if isinstance(cfg, dict):
+        value: Any = cfg
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return None if _interpolated(value) else value
     try:
         value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     except Exception:  # noqa: BLE001  (any resolver may fail: the card then says "unknown")
         return None
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return None if _interpolated(value) else value
+
+
+def _interpolated(value: Any) -> bool:
+    """Whether ``value`` (JSON-like) holds a string with an unresolved interpolation ``${...}``."""
+    if isinstance(value, dict):
+        return any(_interpolated(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_interpolated(v) for v in value)
+    return isinstance(value, str) and "${" in value
 
 
 def _loss_text(choice: str | None, loss: dict | None) -> str | None:
@@ -95,9 +113,10 @@ def tau_table(results: dict) -> dict[str, dict[str, float]]:
     return table
 
 
-def trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
+def trained_settings(run_dir: Path) -> tuple[dict | None, dict]:
     """``(settings, choices)`` the training of ``run_dir`` used, from its ``run_settings.json`` (flat dotted keys,
-    nested again); ``(None, {})`` when it has none or it cannot be read."""
+    nested again; plain values as the training resolved them, not a config that would resolve a ``${...}`` in them
+    again on this machine); ``(None, {})`` when it has none or it cannot be read."""
     try:
         saved = json.loads((run_dir / "run_settings.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -109,7 +128,7 @@ def trained_settings(run_dir: Path) -> tuple[DictConfig | None, dict]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    return OmegaConf.create(nested), dict(saved.get("choices") or {})
+    return nested, dict(saved.get("choices") or {})
 
 
 def shipped_budget(training: dict) -> dict[str, Any]:
@@ -204,6 +223,34 @@ def check_card_target(drafter: DFlashDrafter, drafter_dir: Path, target: str | N
     object.__setattr__(drafter, "_target", None)
 
 
+#: the files a DFlash export writes (:func:`drafters.dflash.export_dflash`): the only ones an ``out`` may hold already
+EXPORT_FILES = frozenset({"config.json", "model.safetensors", "README.md", "blockdraft_record.json"})
+
+
+def check_out(out: Path, drafter_dir: Path) -> None:
+    """Refuse an ``out`` that is the source drafter's own folder, or a non-empty folder that is not an earlier DFlash
+    export (the only folder whose files an export may replace). A folder inside the drafter's (a shipped drafter's
+    ``dflash/``) is one like any other."""
+    full = out.resolve()
+    if full == drafter_dir.resolve():
+        raise ValueError(f"out={out} is the folder of the drafter it exports (drafter.path={drafter_dir}): the export "
+                         "would overwrite its config.json and weights; choose a new folder for out (e.g. <drafter>/dflash)")
+    if full.exists() and not full.is_dir():
+        raise ValueError(f"out={out} is a file, not a folder; choose a new folder for out")
+    held = sorted(p.name for p in full.iterdir() if not p.name.startswith(".")) if full.is_dir() else []
+    if not held:
+        return
+    try:
+        earlier = json.loads((full / "config.json").read_text()) if (full / "config.json").is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        earlier = {}
+    if set(held) <= EXPORT_FILES and isinstance(earlier, dict) and "dflash_config" in earlier:
+        return  # an earlier export of this or another drafter: replaced
+    shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    raise ValueError(f"out={out} is a non-empty folder that is not a DFlash export (it holds {shown}): the export "
+                     "would overwrite or mix with its files; choose a new or empty folder for out")
+
+
 def export_for_serving(cfg: DictConfig) -> Path:
     """Export ``cfg.drafter.path`` to ``cfg.out`` (``conf/export.yaml``); returns the output directory."""
     drafter_dir = Path(str(cfg.drafter.path)).expanduser()
@@ -212,12 +259,13 @@ def export_for_serving(cfg: DictConfig) -> Path:
                                 "experiments.train (e.g. runs/train/<name>/drafter)")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}; expected one of {sorted(DTYPES)} or null")
+    out = Path(str(cfg.out)).expanduser()
+    check_out(out, drafter_dir)
     drafter = factory.load(drafter_dir, allow_edited_settings=bool(cfg.drafter.get("allow_edited_settings", False)))
     info = describe_run(drafter_dir, cfg.get("results"))
     shipped = describe_shipped(drafter_dir)
     if shipped:  # a shipped drafter's own card, not the folder it was copied into, tells how it was trained
         info |= {k: v for k, v in shipped.items() if v is not None and not (k == "tau" and cfg.get("results"))}
-    out = Path(str(cfg.out)).expanduser()
     target = cfg.target_path or info["target"]
     check_card_target(drafter, drafter_dir, target, bool(cfg.drafter.get("allow_other_target", False)))
     # the card names folders as committed files do (the repository's relative, the cache's as $BLOCKDRAFT_CACHE)

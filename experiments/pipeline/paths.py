@@ -15,6 +15,17 @@ def inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def run_name_problem(value, key: str = "name") -> str | None:
+    """Why ``value`` cannot be the run name ``key`` (one line: the key, the value and what to do), or None. A run
+    name is one folder name: no path separator, not ``.`` or ``..`` (``name=../../x`` would write outside the
+    runs' folder)."""
+    text = str(value)
+    if text.strip() and "/" not in text and "\\" not in text and text not in (".", "..") and "\0" not in text:
+        return None
+    return (f"{key}={text} is not a run name: it must be one folder name (no '/' or '\\', not '.' or '..', not "
+            f"empty); choose a plain name such as {key}=my-run (where runs go: $BLOCKDRAFT_RUNS or hydra.run.dir)")
+
+
 def portable_path(path: str | Path, *folders: Path | None) -> str:
     """``path`` relative to the repository when inside it, else to the first of ``folders`` (the runs'
     folder, ...) holding it; otherwise as given. Committed reports then carry no machine's folders."""

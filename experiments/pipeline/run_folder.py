@@ -12,7 +12,8 @@ log file is staged alike (``<staging folder>.<job name>.log``) and moved to ``<r
 to the owner's) at the same point, its handler then writing there.
 
 :class:`RunFolderCheck` (a Hydra callback of every entry point, ``conf/run_dirs.yaml``) refuses a run folder that
-cannot be written before Hydra configures its log file there, with one line naming the folder and the permission.
+cannot be written before Hydra configures its log file there, with one line naming the folder and the permission,
+and a run name that is a path (``name=../../x``: :func:`experiments.pipeline.paths.run_name_problem`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.locks import FolderBusyError
+from experiments.pipeline.paths import run_name_problem
 
 HYDRA_RECORDS = ".hydra"
 _PREEXISTING: set[Path] = set()  # run folders that existed before this process's Hydra job started
@@ -251,12 +253,26 @@ def unwritable(folder: str | Path) -> str | None:
     return None
 
 
+def _run_name_problem(config: DictConfig) -> str | None:
+    """Why the run name (``name``, read by ``conf/train.yaml``'s run folder) is not one, or None: its value, and
+    each value a multirun sweeps it over (``name=a,b``)."""
+    values = [] if OmegaConf.is_missing(config, "name") else [OmegaConf.select(config, "name", default=None)]
+    for override in OmegaConf.select(config, "hydra.overrides.task", default=None) or []:
+        key, sep, value = str(override).partition("=")
+        if sep and key.lstrip("+~") == "name":
+            values += value.split(",")  # a sweep's values (a value with no '/' or '..' stays so when split)
+    return next((p for p in (run_name_problem(v) for v in values if v is not None) if p), None)
+
+
 class RunFolderCheck(Callback):
     """Hydra callback: exit with one line naming the run folder and the permission when it cannot be written,
     before Hydra creates it, configures its log file there or writes its records (``conf/run_dirs.yaml``)."""
 
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:
+        problem = _run_name_problem(config)  # the folder's name may read it: checked before the folder exists
+        if problem:
+            sys.exit(f"error: {problem}")
         if not HydraConfig.initialized():  # the folder's name may read ${hydra:...}, set only later by Hydra
             HydraConfig.instance().set_config(config)
         folder = OmegaConf.select(config, key, default=None)
