@@ -78,6 +78,7 @@ def compose_train(root: str, loss: str, trainer: str, *extra: str):
 def one_step(root: str, loss: str, trainer: str) -> dict:
     """One optimizer step of ``experiments.train``'s module, data and Trainer config; what it recorded."""
     from drafters.training import features
+    from experiments.pipeline.trainer import trainer_precision
     from experiments.pipeline.training import build
 
     cfg = compose_train(root, loss, trainer)
@@ -91,7 +92,7 @@ def one_step(root: str, loss: str, trainer: str) -> dict:
 
     recorder = Recorder()
     trainer = hydra.utils.instantiate(cfg.trainer, logger=False, callbacks=[recorder], enable_checkpointing=False,
-                                      enable_progress_bar=False)
+                                      enable_progress_bar=False, precision=trainer_precision(cfg))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(features.FeatureStore, "__getitem__", recording)
         trainer.fit(module, datamodule=datamodule)

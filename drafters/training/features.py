@@ -4,9 +4,9 @@ A drafter step then costs only the drafter: the target forward (the larger share
 step, see ``experiments.bench.train``) runs once per regenerated sequence instead of once per step.
 
 Layout, beside the regenerated data (``<data dir>/features/<key>/``, ``key`` names the layers, the
-dtype and the length limit)::
+dtype, the length limit and, for a bfloat16 pass, ``_bf16``)::
 
-    meta.json               layer ids, dtype, max_length, target fingerprint, rows, "complete"
+    meta.json               layer ids, dtype, max_length, target fingerprint, rows, precision, "complete"
     part-00000.npy          (tokens, L*H) the concatenated hidden states of rows [0, n0), flat
     part-00000.offsets.npy  (n0 + 1,) int64: row i of the part spans offsets[i]:offsets[i + 1]
     part-00001.npy ...
@@ -23,6 +23,16 @@ still runs on every step.
 (its final, normed state, (tokens, H)): the frozen LM head turns it back into the target's logits, so a
 soft-label loss gets the target's distributions at the drafted slots without running the target
 (:func:`drafters.training.blocks.select_blocks`).
+
+Precision and storage. The target's pass runs in ``precision``: ``float32``, or ``bfloat16`` (autocast: the
+target's matmuls in bfloat16, its weights, norms and residual sums in float32), which training chooses where it
+trains under bfloat16 autocast (``experiments.pipeline.training.feature_precision``: a CPU with bfloat16
+instructions), about twice the tokens/s there (docs/bench.md, "bfloat16"). Either way the features are stored in
+``dtype``, float16 by default: half the disk and page cache of float32, and 11 significant bits, more than the
+8 of a bfloat16 matmul's output, so storing adds little to what the pass rounded (numpy has no bfloat16 to store
+them in as computed). They are read back as float32 (:class:`FeatureStore`); under bfloat16 autocast the drafter's
+context projection rounds them to bfloat16 again. ``meta.json`` records the precision; a cache computed in another
+precision is named and computed again in full (:func:`compute_features`), never mixed part by part with this one.
 """
 
 from __future__ import annotations
@@ -41,15 +51,25 @@ from drafters.config import accepts_argument
 META = "meta.json"
 HEAD = "head"  # the layer id of the target's final state, the input of its LM head
 DTYPES = {"float16": np.float16, "float32": np.float32}
+PRECISIONS = ("float32", "bfloat16")  # the target's pass (module doc); the cache key names the second ``_bf16``
 REDO = "run the training again: it computes the damaged parts, and only those, again"
 
 
-def features_key(target_layer_ids: Sequence[int], dtype: str, max_length: int | None) -> str:
-    """Folder name of a feature cache: ``layers-1-3-6_float16_len512``."""
+def features_key(target_layer_ids: Sequence[int], dtype: str, max_length: int | None,
+                 precision: str = "float32") -> str:
+    """Folder name of a feature cache: ``layers-1-3-6_float16_len512``, ``..._len512_bf16`` for a bfloat16 pass
+    (so caches of both precisions live side by side)."""
     if dtype not in DTYPES:
         raise ValueError(f"features dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_precision(precision)
     layers = "-".join(str(_layer_id(i)) for i in target_layer_ids)
-    return f"layers-{layers}_{dtype}_len{max_length if max_length is not None else 'all'}"
+    suffix = "_bf16" if precision == "bfloat16" else ""
+    return f"layers-{layers}_{dtype}_len{max_length if max_length is not None else 'all'}{suffix}"
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"features precision must be one of {list(PRECISIONS)}, got {precision!r}")
 
 
 def _layer_id(i):
@@ -57,8 +77,8 @@ def _layer_id(i):
 
 
 def features_dir(data_dir: str | Path, target_layer_ids: Sequence[int], dtype: str,
-                 max_length: int | None) -> Path:
-    return Path(data_dir).expanduser() / "features" / features_key(target_layer_ids, dtype, max_length)
+                 max_length: int | None, precision: str = "float32") -> Path:
+    return Path(data_dir).expanduser() / "features" / features_key(target_layer_ids, dtype, max_length, precision)
 
 
 def _parts(root: Path) -> list[Path]:
@@ -87,8 +107,15 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
 
 
 @torch.no_grad()
-def _encode(target, rows: Sequence[list[int]], layer_ids: Sequence[int], device) -> list[torch.Tensor]:
-    """Selected hidden states of right-padded rows: one (len_i, L*H) float tensor per row."""
+def _encode(target, rows: Sequence[list[int]], layer_ids: Sequence[int], device,
+            precision: str = "float32") -> list[torch.Tensor]:
+    """Selected hidden states of right-padded rows: one (len_i, L*H) float tensor per row, the target run in
+    ``precision`` (module doc)."""
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+        return _encode_padded(target, rows, layer_ids, device)
+
+
+def _encode_padded(target, rows: Sequence[list[int]], layer_ids: Sequence[int], device) -> list[torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -123,13 +150,14 @@ def _head_states(target, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return seen[0].float().cpu()
 
 
-def _encode_rows(target, rows: list[list[int]], layer_ids: Sequence[int], device, batch_size: int, bar) -> list:
+def _encode_rows(target, rows: list[list[int]], layer_ids: Sequence[int], device, batch_size: int, bar,
+                 precision: str = "float32") -> list:
     """:func:`_encode` of ``rows`` in batches of like lengths (little padding), in the rows' order."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     feats: list[torch.Tensor | None] = [None] * len(rows)
     for s in range(0, len(rows), batch_size):
         batch = order[s: s + batch_size]
-        for i, feat in zip(batch, _encode(target, [rows[i] for i in batch], layer_ids, device)):
+        for i, feat in zip(batch, _encode(target, [rows[i] for i in batch], layer_ids, device, precision)):
             feats[i] = feat
         bar.update(len(batch))
     return feats
@@ -138,17 +166,27 @@ def _encode_rows(target, rows: list[list[int]], layer_ids: Sequence[int], device
 def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | Path, *,
                      target_layer_ids: Sequence[int], dtype: str = "float16", max_length: int | None = None,
                      fingerprint: dict | None = None, batch_size: int = 8, rows_per_part: int = 256,
-                     progress: bool = True) -> Path:
-    """Write the feature cache of ``input_ids`` (every row, cut to ``max_length``) into ``out_dir``.
+                     progress: bool = True, precision: str = "float32") -> Path:
+    """Write the feature cache of ``input_ids`` (every row, cut to ``max_length``) into ``out_dir``, the target
+    run in ``precision`` (``float32`` or ``bfloat16``, module doc), stored in ``dtype``.
 
-    Computes only the parts that are missing or damaged (a complete, whole cache returns at once); refuses a
-    folder written with other settings.
+    Computes only the parts that are missing or damaged (a complete, whole cache returns at once); a folder
+    computed in another precision (one without a recorded precision was float32) is named and computed again in
+    full; a folder written with other settings is refused.
     """
+    _check_precision(precision)
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     meta = {"target_layer_ids": [_layer_id(i) for i in target_layer_ids], "dtype": dtype,
             "max_length": max_length, "target_fingerprint": fingerprint, "rows": len(input_ids)}
     old = read_features_meta(root)
+    if old and old.get("precision", "float32") != precision:
+        print(f"[features] {root} was computed in {old.get('precision', 'float32')}, this run's feature pass is "
+              f"{precision}: computing every part again", flush=True)
+        for path in root.glob("part-*.npy"):
+            path.unlink()
+        (root / META).unlink()
+        old = {}
     if old and {k: old.get(k) for k in meta} != meta:
         diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         raise ValueError(f"feature cache {root} was written with other settings {diff} (saved, now): "
@@ -160,13 +198,15 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     for i in todo:
         if _part(root, i).exists() or _part(root, i).with_suffix(".offsets.npy").exists():
             print(f"[features] {_part(root, i)} is damaged: computing its rows again", flush=True)
+    meta["precision"] = precision
     (root / META).write_text(json.dumps({**meta, "complete": False}, indent=1) + "\n")
     device = next(target.parameters()).device
     rows = [list(r[:max_length] if max_length else r) for r in input_ids]
     bar = tqdm(total=len(rows), initial=len(rows) - sum(spans[i][1] - spans[i][0] for i in todo),
                desc="target features", unit="row", disable=not progress)
     for index in todo:
-        feats = _encode_rows(target, rows[spans[index][0]: spans[index][1]], target_layer_ids, device, batch_size, bar)
+        feats = _encode_rows(target, rows[spans[index][0]: spans[index][1]], target_layer_ids, device, batch_size, bar,
+                             precision)
         offsets = np.cumsum([0] + [len(f) for f in feats]).astype(np.int64)
         part = _part(root, index)
         _save_atomic(part.with_suffix(".offsets.npy"), offsets)  # offsets first: a part implies them
@@ -222,4 +262,4 @@ class FeatureStore:
         return torch.from_numpy(np.array(chunk, dtype=np.float32))  # a copy: the map stays read-only
 
 
-__all__ = ["HEAD", "FeatureStore", "compute_features", "features_dir", "features_key"]
+__all__ = ["HEAD", "PRECISIONS", "FeatureStore", "compute_features", "features_dir", "features_key"]

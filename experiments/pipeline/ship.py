@@ -5,7 +5,8 @@
 card, ``card.json`` to read by program and ``README.md`` to read by eye:
 
 * ``training``: the loss and its settings, optimizer steps, training time (``train_seconds``: every resume added
-  up), threads, torch, the command line's overrides and the held-out τ at the end;
+  up), threads, torch, the precision it trained in (where the run recorded it: requested, resolved, the CPU's
+  bfloat16 flags), the command line's overrides and the held-out τ at the end;
 * ``data``: the recorded answers it trained on, with their sha256 (``answers_sha256``, ``record_sha256``), rows and
   response tokens, and how many rows trained and were held out;
 * ``tau``: τ per suite and their mean at each temperature of an evaluation of these very weights (its
@@ -97,6 +98,7 @@ def drafter_card(drafter_dir: Path, results: Path, data_record: dict, *, name: s
         "training": {"loss": choices.get("loss"), "loss_settings": {k: loss[k] for k in LOSS_KEYS if k in loss},
                      "steps": summary["steps"], "train_seconds": summary["train_seconds"],
                      "threads": summary["threads"], "torch": summary["torch"],
+                     **({"precision": summary["precision"]} if "precision" in summary else {}),
                      "overrides": [portable_override(o) for o in summary["overrides"]],
                      "held_out": summary["val"],
                      **({"continued_from": continued(continued_from, summary["steps"], summary["train_seconds"])}
@@ -113,6 +115,13 @@ def _continued_line(c: dict) -> str:
     return (f"- continued from `{c['name']}` ({c['steps']:,} steps, {c['train_seconds'] / 3600:.2f} h; weights "
             f"`{c['weights_sha256']}`) with a fresh schedule: {c['total_steps']:,} steps, "
             f"{c['total_train_seconds'] / 3600:.2f} h in all")
+
+
+def _precision_words(precision: dict | None) -> str:
+    if not precision:
+        return ""
+    flags = " ".join(precision.get("cpu_bf16_flags") or []) or "no bfloat16 flags"
+    return f", precision {precision['resolved']} from trainer.precision={precision['requested']}, CPU: {flags}"
 
 
 def render(card: dict) -> str:
@@ -134,7 +143,8 @@ def render(card: dict) -> str:
         "",
         f"- command: `{card['command']}`",
         (f"- {t['steps']:,} optimizer steps in {t['train_seconds'] / 3600:.2f} h on {t['threads']} CPU threads "
-        f"(torch {t['torch']}); held-out τ at the end: {json.dumps(t['held_out'])}"),
+        f"(torch {t['torch']}{_precision_words(t.get('precision'))}); held-out τ at the end: "
+        f"{json.dumps(t['held_out'])}"),
         *([_continued_line(t["continued_from"])] if "continued_from" in t else []),
         _data_line(d),
         f"- weights sha256 (blockdraft's content hash): `{dr['weights_sha256']}`",

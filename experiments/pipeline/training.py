@@ -43,8 +43,7 @@ from drafters.config import target_fingerprint
 from drafters.factory import read_saved_config
 from drafters.model import DFlashDrafter
 from drafters.training import datamodule as regen
-from drafters.training.datamodule import ensure_features
-from drafters.training.features import HEAD
+from drafters.training.features import HEAD, compute_features
 from drafters.training.features import features_dir as features_folder
 from drafters.training.vocab import coverage, frequent_tokens
 from drafters.variants.hint_lookup import HintStore
@@ -52,7 +51,14 @@ from experiments.data.target import load_target, signature_matches
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
 from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
-from experiments.pipeline.trainer import build_trainer, keep_csv_history, merge_csv_history, train_seconds
+from experiments.pipeline.trainer import (
+    build_trainer,
+    keep_csv_history,
+    merge_csv_history,
+    precision_record,
+    train_seconds,
+    trainer_precision,
+)
 
 
 def check_data_target(data_dir: str | Path, target, target_path: str) -> None:
@@ -130,14 +136,27 @@ def build(cfg: DictConfig):
     return target, tokenizer, module, datamodule
 
 
+def feature_precision(cfg: DictConfig) -> str:
+    """The precision of the target's feature pass (:mod:`drafters.training.features`): bfloat16 where training runs
+    under bfloat16 autocast (``trainer.precision`` resolved, :func:`experiments.pipeline.trainer.resolve_precision`),
+    else float32."""
+    return "bfloat16" if str(trainer_precision(cfg)).startswith("bf16") else "float32"
+
+
 def feature_cache(cfg: DictConfig, target, layer_ids) -> Path:
-    """The data dir's feature cache of ``layer_ids`` (computed first when missing; one job computes it, others wait)."""
+    """The data dir's feature cache of ``layer_ids`` (computed first when missing; one job computes it, others wait).
+    The hidden states are computed in :func:`feature_precision`; the final states of soft labels (:data:`HEAD`)
+    always in float32, as they rebuild the target's logits."""
     features, max_length = cfg.data.features, cfg.data.datamodule.max_length
-    dtype = features.get("head_dtype", "float32") if tuple(layer_ids) == (HEAD,) else features.dtype
-    folder = features_folder(cfg.data.data_dir, layer_ids, dtype, max_length)
+    head = tuple(layer_ids) == (HEAD,)
+    dtype = features.get("head_dtype", "float32") if head else features.dtype
+    precision = "float32" if head else feature_precision(cfg)
+    folder = features_folder(cfg.data.data_dir, layer_ids, dtype, max_length, precision)
     with locks.hold(folder, "feature cache", wait=True):
-        return ensure_features(target, cfg.data.data_dir, layer_ids, dtype=dtype, max_length=max_length,
-                               batch_size=features.batch_size)
+        return compute_features(target, regen.load_regenerated(cfg.data.data_dir)["input_ids"], folder,
+                                target_layer_ids=layer_ids, dtype=dtype, max_length=max_length,
+                                fingerprint=target_fingerprint(target.config), batch_size=features.batch_size,
+                                precision=precision)
 
 
 # What a resumed run must share with the run it continues (dotted prefixes of the resolved config);
@@ -281,11 +300,15 @@ def _summary(cfg: DictConfig, trainer: L.Trainer, module, datamodule, saved: int
         "overrides": _overrides(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "precision": {**precision_record(cfg), "feature_pass": feature_precision(cfg) if _features_on(cfg) else None},
     }
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
     saved = _resume_step(cfg, run_dir)
+    record = precision_record(cfg)  # bfloat16 asked for on a CPU without it: refused before any data or features
+    print(f"[train] precision {record['resolved']} (trainer.precision={record['requested']}; CPU bfloat16 flags: "
+          f"{' '.join(record['cpu_bf16_flags']) or 'none'})", flush=True)
     L.seed_everything(cfg.seed, workers=True)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -311,6 +334,10 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     if cfg.get("evaluate") is not None and cfg.evaluate.get("enabled"):
         evaluate_training_run(cfg)  # writes <run dir>/results.json
     return summary
+
+
+def _features_on(cfg: DictConfig) -> bool:
+    return bool((cfg.data.get("features") or {}).get("enabled"))
 
 
 def _choices() -> dict:
