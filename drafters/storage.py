@@ -3,6 +3,12 @@
 :func:`read_json`, :func:`check_safetensors` and :func:`read_checkpoint` raise :class:`DamagedFileError` naming the
 file (never advising to load it unsafely); :func:`write_json_atomic` renames a finished file into place;
 :func:`sha256_file` and :func:`file_digest` are the content hashes that records and model cards carry.
+
+Sealed files (caches that are read back later, e.g. the T=0 replay's greedy answers): :func:`write_sealed_json`
+writes the file and then its seal beside it, ``<name>.sha256`` (``sha256sum``'s format, so ``sha256sum -c`` checks
+it too); :func:`read_sealed_json` reads the file only when its sha256 is the sealed one, else raises
+:class:`BrokenSealError` naming the file and both hashes (an edited or truncated file), or the missing seal. A hash
+once checked is remembered for the file's (size, mtime), so reading an unchanged file again hashes nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +81,71 @@ def read_checkpoint(path: str | Path, required: Sequence[str] = ("state_dict", "
     return ckpt
 
 
+class BrokenSealError(DamagedFileError):
+    """A sealed file whose bytes are not those sealed (edited, truncated), or whose seal is missing or unreadable."""
+
+
+SEAL_SUFFIX = ".sha256"
+_CHECKED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> sha256 of a file hashed in this process
+
+
+def seal_path(path: str | Path) -> Path:
+    """Where the seal of ``path`` lives: ``<path>.sha256`` beside it."""
+    path = Path(path)
+    return path.with_name(path.name + SEAL_SUFFIX)
+
+
+def sha256_checked(path: str | Path) -> str:
+    """:func:`sha256_file`, remembered for the file's (size, mtime): an unchanged file is hashed once per process."""
+    path = Path(path)
+    info = path.stat()
+    key = (str(path.resolve()), info.st_ino, info.st_size, info.st_mtime_ns)
+    if key not in _CHECKED:
+        _CHECKED[key] = sha256_file(path)
+    return _CHECKED[key]
+
+
+def write_seal(path: str | Path) -> str:
+    """Seal the finished file ``path``: its sha256 written (atomically) to :func:`seal_path`; returns the hash."""
+    path = Path(path)
+    digest = sha256_file(path)
+    seal = seal_path(path)
+    tmp = seal.with_name(f".{seal.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{digest}  {path.name}\n")
+    os.replace(tmp, seal)
+    return digest
+
+
+def check_seal(path: str | Path, what: str = "file") -> None:
+    """Refuse ``path`` unless its sha256 is the one its seal records (:class:`BrokenSealError`, one line naming the
+    file and both hashes, or the missing seal)."""
+    path, seal = Path(path), seal_path(path)
+    try:
+        recorded = seal.read_text().split()[0]
+    except (OSError, UnicodeDecodeError, IndexError):
+        raise BrokenSealError(f"{what} {path} has no readable seal {seal.name} (written by an older blockdraft, or "
+                              "by a job killed before sealing it): it cannot be checked") from None
+    found = sha256_checked(path)
+    if found != recorded:
+        raise BrokenSealError(f"{what} {path} has sha256 {found} but its seal {seal.name} records {recorded}: the "
+                              "file was edited or truncated after it was written")
+
+
+def write_sealed_json(path: str | Path, obj) -> None:
+    """:func:`write_json_atomic`, then the file's seal (:func:`write_seal`); a stale seal is removed first, so a job
+    killed in between leaves a file without a seal (refused when read), never a file with another's seal."""
+    seal_path(path).unlink(missing_ok=True)
+    write_json_atomic(path, obj)
+    write_seal(path)
+
+
+def read_sealed_json(path: str | Path, what: str = "JSON file") -> dict:
+    """The JSON of a file written by :func:`write_sealed_json`, checked against its seal first
+    (:class:`BrokenSealError` when it is not the sealed file)."""
+    check_seal(path, what)
+    return read_json(path, what)
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write ``obj`` as JSON to a temporary file beside ``path``, then rename it into place."""
     path = Path(path)
@@ -106,5 +177,6 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["DamagedFileError", "check_safetensors", "file_digest", "read_checkpoint", "read_json", "sha256_file",
-           "write_json_atomic"]
+__all__ = ["BrokenSealError", "DamagedFileError", "check_safetensors", "check_seal", "file_digest", "read_checkpoint",
+           "read_json", "read_sealed_json", "seal_path", "sha256_checked", "sha256_file", "write_json_atomic",
+           "write_seal", "write_sealed_json"]

@@ -184,3 +184,55 @@ def test_the_card_publishes_no_interpolation_of_the_run_settings(tmp_path, monke
     card = (out / "README.md").read_text()
     assert "${" not in card and "/home/someone" not in card
     assert "`l2r_all` (blockdraft AcceptanceAlignedLoss: gamma=7.0, focal_weight=0.3)" in card
+
+
+# ----------------------------------------------------------------------------- 3. the T=0 replay's cache is sealed
+
+
+def test_cached_greedy_answers_are_sealed_and_an_edited_or_truncated_file_is_named_and_decoded_again(
+        tmp_path, monkeypatch):
+    import warnings
+
+    from test_evaluate import _suites, _target, _tokenizer
+
+    from drafters.storage import sha256_file
+    from experiments.pipeline import replay
+
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok = _tokenizer()
+    target, prompts = _target(tok).eval(), _suites()["chat"]
+    settings = DecodingSettings(temperatures=(0.0,), max_new_tokens=12, batch_size=2, max_prompt_tokens=40,
+                                num_bootstrap=50, progress=False, measure_target_only=False)
+
+    def answers():
+        return replay.greedy_answers(target, tok, prompts, suite="chat", settings=settings)
+
+    first = answers()
+    (path,) = (tmp_path / "greedy").glob("chat-*.json")
+    seal = path.with_name(path.name + ".sha256")
+    sealed = sha256_file(path)
+    assert seal.read_text() == f"{sealed}  {path.name}\n"  # sha256sum's format
+    decode = replay.target_generate
+    monkeypatch.setattr(replay, "target_generate", None)  # a sealed, unchanged file is read, not decoded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert answers() == first
+    monkeypatch.setattr(replay, "target_generate", decode)
+
+    doc = json.loads(path.read_text())
+    doc["answers"][0][0][0][-1] += 1  # one answer token edited: still valid JSON of the right shape
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    edited = sha256_file(path)
+    with pytest.warns(UserWarning, match=rf"cached greedy answers {re.escape(str(path))} has sha256 {edited} but its "
+                                         rf"seal {re.escape(seal.name)} records {sealed}: .*; decoding them again"):
+        assert answers() == first
+    assert sha256_file(path) == sealed and seal.read_text().split()[0] == sealed  # decoded again and sealed
+
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(path))} has sha256 {sha256_file(path)} but .* records "
+                                         rf"{sealed}: the file was edited or truncated"):
+        assert answers() == first
+    seal.unlink()
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(path))} has no readable seal"):
+        assert answers() == first
+    assert seal.is_file()

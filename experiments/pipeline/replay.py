@@ -15,13 +15,15 @@ the answer's next tokens. Per kind of drafter (:func:`leads`):
 :func:`experiments.pipeline.evaluation.evaluate_suite` writes at T=0 (no speeds). The answers are decoded once
 per target, suite and decoding settings by target-only decoding, in the batches an evaluation uses, and cached
 under ``$BLOCKDRAFT_CACHE/greedy/`` (:func:`greedy_answers`), so an ablation's every drafter costs a drafter
-pass instead of a decoding run. The numbers equal the online verifier's (tests/test_replay.py) up to the
+pass instead of a decoding run. A cached file is sealed when written (its sha256 beside it,
+:func:`drafters.storage.write_sealed_json`) and checked when read: an edited or truncated one is named, with both
+hashes, and decoded again. The numbers equal the online verifier's (tests/test_replay.py) up to the
 target's own float differences between batch shapes, which can flip a near-tied greedy token.
 """
 
 from __future__ import annotations
 
-import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +31,7 @@ import torch
 
 from drafters.checks import target_weights_sha1
 from drafters.policy import DraftingPolicy, PolicyDrafter
-from drafters.storage import write_json_atomic
+from drafters.storage import DamagedFileError, read_sealed_json, write_sealed_json
 from drafters.tau import anchor_acceptance, greedy_walk
 from drafters.training.blocks import run_target
 from drafters.training.datamodule import collate
@@ -166,8 +168,9 @@ def greedy_answers(target, tokenizer, prompts: Sequence[Prompt], *, suite: str,
     many turns' prompts lost their first tokens to ``max_prompt_tokens``."""
     path = _answers_path(target, tokenizer, prompts, suite, settings)
     if path.is_file():
-        cached = json.loads(path.read_text())
-        return [[(list(ids), int(cut)) for ids, cut in turns] for turns in cached["answers"]], cached["truncated"]
+        cached = _cached_answers(path, prompts)
+        if cached is not None:
+            return cached
     run = start_decoding(target, tokenizer, suite, 0.0, settings)
     texts: list[list[str]] = [[] for _ in prompts]
     answers: list[list[Turn]] = [[] for _ in prompts]
@@ -177,9 +180,24 @@ def greedy_answers(target, tokenizer, prompts: Sequence[Prompt], *, suite: str,
         for i, row, new in zip(chunk, rows, out.new_tokens):
             answers[i].append((list(row) + list(new), len(row)))
             texts[i].append(tokenizer.decode(new, skip_special_tokens=True).strip())
-    write_json_atomic(path, {"suite": suite, "prompt_ids": [p.id for p in prompts], "truncated": run.truncated,
+    write_sealed_json(path, {"suite": suite, "prompt_ids": [p.id for p in prompts], "truncated": run.truncated,
                              "answers": answers})
     return answers, run.truncated
+
+
+def _cached_answers(path: Path, prompts: Sequence[Prompt]) -> tuple[list[list[Turn]], int] | None:
+    """The greedy answers cached in ``path``, checked against their seal and the prompts; None (after a one-line
+    warning naming the file and why) when they cannot be trusted, so that they are decoded again."""
+    try:
+        cached = read_sealed_json(path, "cached greedy answers")
+        if cached["prompt_ids"] != [p.id for p in prompts] or len(cached["answers"]) != len(prompts):
+            raise DamagedFileError(f"cached greedy answers {path} are not those of these {len(prompts)} prompts")
+        answers = [[(list(ids), int(cut)) for ids, cut in turns] for turns in cached["answers"]]
+        return answers, int(cached["truncated"])
+    except (DamagedFileError, KeyError, TypeError, ValueError) as e:
+        reason = str(e) if isinstance(e, DamagedFileError) else f"cached greedy answers {path} lack {e}"
+        warnings.warn(f"{reason}; decoding them again", stacklevel=3)
+        return None
 
 
 def replay_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite: str, temperature: float,
