@@ -40,7 +40,15 @@ from drafters.config import (
     target_sizes,
 )
 from drafters.dflash import dflash_settings, load_dflash
-from drafters.model import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, Variant, check_variants, saved_config
+from drafters.model import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    DFlashDrafter,
+    Variant,
+    check_variants,
+    saved_config,
+    taken_over,
+)
 from drafters.storage import check_safetensors, read_json
 from drafters.variants import REGISTRY, make_variants
 
@@ -136,9 +144,10 @@ def from_target(target: nn.Module, *, block_size: int = 16, num_layers: int = 1,
         raise ValueError(f"target {type(target).__name__} has no .config; expected a HF causal LM")
     sizes = target_sizes(tcfg)
     if target_layer_ids is None:
-        defaults = next((v.default_layer_ids for v in chosen.values() if hasattr(v, "default_layer_ids")),
-                        lambda n, total: default_target_layer_ids(total))
-        target_layer_ids = defaults(num_layers, sizes["num_hidden_layers"])
+        total = sizes["num_hidden_layers"]
+        target_layer_ids = taken_over(v.default_layer_ids(num_layers, total) for v in chosen.values())
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(total)
     if mask_token_id is None:
         mask_token_id = first_attr(tcfg, ["mask_token_id"], sizes["vocab_size"] - 1)
     fingerprint = target_fingerprint(tcfg)
@@ -216,8 +225,7 @@ def _load_blockdraft(directory: Path, raw: Mapping[str, Any], target: nn.Module 
     drafter = DFlashDrafter(config, variants)
     drafter.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=True)
     for variant in variants.values():
-        if hasattr(variant, "load_extras"):
-            variant.load_extras(drafter, directory)
+        variant.load_extras(drafter, directory)
     return drafter if target is None else drafter.attach_target(target)
 
 

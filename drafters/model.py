@@ -27,18 +27,18 @@ verifies, and whether a row copies a lookup hint instead, is decoding policy (:c
 Without variants this class is the DFlash drafter: what the DFlash serving format expresses
 (:mod:`drafters.dflash`). Research variants (layerwise context, lookup hints, anchor policies, refinement;
 :mod:`drafters.variants`) are :class:`Variant` objects the drafter holds in ``variants``; each takes over a few
-hooks of the core (the methods marked "hook"). Building, loading and the same-config check: :mod:`drafters.factory`.
+hooks of the core (the methods of :class:`Variant`; the core's methods that call one are marked "hook").
+Building, loading and the same-config check: :mod:`drafters.factory`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -63,13 +63,19 @@ from verify.rejection import sample_tokens, warp_probs
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Variant:
     """A research variant: its options (the dataclass fields, its entry under ``variants`` in ``config.json``) and
-    the hooks of :class:`DFlashDrafter` it takes over, as methods taking the drafter first (``context_kv``,
-    ``drafted_slots``, ``slot_ids``, ...: see :meth:`DFlashDrafter.hook`). Subclasses: :mod:`drafters.variants`."""
+    the hooks of :class:`DFlashDrafter` it takes over: the methods below, each taking the drafter first.
+    Subclasses: :mod:`drafters.variants`.
+
+    A hook that returns a value takes over the core's computation where it returns something other than
+    None: the drafter asks its variants outermost first (:data:`drafters.variants.REGISTRY`'s order) and uses
+    the first value that is not None, else its own (:func:`taken_over`). ``after_init``, ``save_extras`` and
+    ``load_extras`` run on every variant in that order."""
 
     name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()  # the variants it needs beside it
@@ -78,6 +84,82 @@ class Variant:
 
     def check(self, config: DrafterConfig, variants: Mapping[str, Variant]) -> None:
         """Refuse options that do not fit ``config`` or the other variants (a ValueError naming the field)."""
+
+    @staticmethod
+    def default_layer_ids(num_layers: int, num_hidden_layers: int) -> tuple[int, ...] | None:
+        """The target layers a new drafter of ``num_layers`` reads by default; None: DFlash's spread."""
+        return None
+
+    # ---- building and saving ------------------------------------------------------------------------
+
+    def new_layer(self, drafter: DFlashDrafter) -> nn.Module | None:
+        """A new drafter layer (called ``num_layers`` times in ``__init__``); None: :class:`DrafterLayer`."""
+        return None
+
+    def after_init(self, drafter: DFlashDrafter) -> None:
+        """Adjust the drafter at the end of ``__init__`` and after a warm start (from_target)."""
+
+    def layer_sources(self, drafter: DFlashDrafter) -> tuple[int, ...] | None:
+        """The target layer each drafter layer is copied from at a warm start; None: layer i from layer i."""
+        return None
+
+    def save_extras(self, drafter: DFlashDrafter, directory: Path) -> None:
+        """Write the variant's own files beside the weights (:meth:`DFlashDrafter.save_pretrained`)."""
+
+    def load_extras(self, drafter: DFlashDrafter, directory: Path) -> None:
+        """Read back what :meth:`save_extras` wrote (:func:`drafters.factory.load`)."""
+
+    # ---- the forward --------------------------------------------------------------------------------
+
+    def context_kv(self, drafter: DFlashDrafter, states: Sequence[torch.Tensor] | torch.Tensor,
+                   positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per-layer context keys/values (:meth:`DFlashDrafter.context_kv`); None: the fused context's."""
+        return None
+
+    def drafted_slots(self, drafter: DFlashDrafter) -> slice | None:
+        """The block positions whose outputs are the drafts; None: 1..B-1."""
+        return None
+
+    def own_mask(self, drafter: DFlashDrafter, block_size: int, device) -> torch.Tensor | None:
+        """(B, B) bool: which slots of its own block each slot sees; None: all of them."""
+        return None
+
+    def slot_ids(self, drafter: DFlashDrafter, ids: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor,
+                 prompt_len: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Training's input tokens (Bt, A, K) of block slots 1..K; None: MASK."""
+        return None
+
+    def train_logits(self, drafter: DFlashDrafter, anchor_ids, anchor_positions, kv, mask, slot_ids,
+                     vocab_ids=None, width: int | None = None) -> torch.Tensor | None:
+        """Teacher-forced logits (Bt, A, K, V); None: one :meth:`DFlashDrafter.block_logits` pass."""
+        return None
+
+    # ---- drafting -----------------------------------------------------------------------------------
+
+    def shareable_layers(self, drafter: DFlashDrafter, cache) -> list | None:
+        """The target cache's layers holding the drafter's context keys/values; None: not shareable."""
+        return None
+
+    def slot_inputs(self, drafter: DFlashDrafter, ids: torch.Tensor,
+                    columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Fill slots 1.. of a drafting block's ``ids`` in place, return its ``Block.hints``; None: MASK."""
+        return None
+
+    def block_passes(self, drafter: DFlashDrafter, ids, cos, sin, columns: int, mask,
+                     kv) -> torch.Tensor | None:
+        """A drafting block's drafted states (B, K', H); None: one :meth:`DFlashDrafter.block_pass`."""
+        return None
+
+    def source_labels(self, drafter: DFlashDrafter, block: Block,
+                      copied: torch.Tensor | None) -> list[str] | None:
+        """Per row of ``block``, what drafts it; None: unlabelled (the drafter drafts every row)."""
+        return None
+
+
+def taken_over(values: Iterable[T | None]) -> T | None:
+    """The first of the variants' hook values (lazily, outermost first) that is not None: the variant that
+    takes the hook over; None: none does, the core computes it."""
+    return next((value for value in values if value is not None), None)
 
 
 def check_variants(config: DrafterConfig, variants: Mapping[str, Variant]) -> None:
@@ -137,8 +219,7 @@ class DFlashDrafter(nn.Module):
             h = config.hidden_size
             self.fuse = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
             self.fuse_norm = RMSNorm(h, config.rms_norm_eps)
-        new_layer = self.hook("new_layer") or (lambda: DrafterLayer(config))
-        self.layers = nn.ModuleList(new_layer() for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self._new_layer() for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -154,25 +235,20 @@ class DFlashDrafter(nn.Module):
 
     # ---- variants ---------------------------------------------------------------------------------
 
-    def hook(self, name: str):
-        """The method ``name`` of the outermost variant that has one, bound to this drafter; None: the core's.
-        Hooks: new_layer, after_init, context_kv, layer_sources, drafted_slots, own_mask, shareable_layers
-        (layerwise, anchor); slot_ids, slot_inputs, source_labels (hints); train_logits, block_passes (refine);
-        save_extras, load_extras (every variant that has one: :meth:`save_pretrained`)."""
-        for variant in self.variants.values():
-            method = getattr(variant, name, None)
-            if method is not None:
-                return functools.partial(method, self)
-        return None
+    def _new_layer(self) -> nn.Module:
+        """A new drafter layer: :class:`DrafterLayer`, or a variant's (anchor: :meth:`Variant.new_layer`)."""
+        layer = taken_over(v.new_layer(self) for v in self.variants.values())
+        return layer if layer is not None else DrafterLayer(self.config)
 
     @property
     def variant_names(self) -> tuple[str, ...]:
         return tuple(self.variants)
 
     def after_init(self) -> None:
-        """Called at the end of ``__init__`` and after a warm start (from_target): the anchor variant's hook."""
-        if hook := self.hook("after_init"):
-            hook()
+        """Called at the end of ``__init__`` and after a warm start (from_target): each variant's
+        :meth:`Variant.after_init` (anchor)."""
+        for variant in self.variants.values():
+            variant.after_init(self)
 
     def with_variants(self, variants: Mapping[str, Variant]) -> DFlashDrafter:
         """This drafter (same weights, hint store, target and mode) with ``variants`` instead of its own: for
@@ -205,13 +281,12 @@ class DFlashDrafter(nn.Module):
     @property
     def drafted_slots(self) -> slice:
         """The block positions whose outputs are the K drafts: 1..B-1 (DFlash); hook (layerwise, shifted)."""
-        hook = self.hook("drafted_slots")
-        return hook() if hook else slice(1, None)
+        slots = taken_over(v.drafted_slots(self) for v in self.variants.values())
+        return slots if slots is not None else slice(1, None)
 
     def own_mask(self, block_size: int, device) -> torch.Tensor | None:
         """(B, B) bool: which slots of its own block each slot sees; None: all (DFlash); hook (anchor)."""
-        hook = self.hook("own_mask")
-        return hook(block_size, device) if hook else None
+        return taken_over(v.own_mask(self, block_size, device) for v in self.variants.values())
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> DFlashDrafter:
         """Recompute each drafter layer's activations in the backward pass (``torch.utils.checkpoint``)
@@ -241,8 +316,8 @@ class DFlashDrafter(nn.Module):
     def copy_target_layers(self, target: nn.Module) -> None:
         """Warm start (``init_layers_from_target``): drafter layer i <- the target's layer i, or (hook,
         layerwise) the target layer whose input it reads."""
-        hook = self.hook("layer_sources")
-        copy_target_layers(self, target, sources=hook() if hook else None)
+        sources = taken_over(v.layer_sources(self) for v in self.variants.values())
+        copy_target_layers(self, target, sources=sources)
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -260,8 +335,7 @@ class DFlashDrafter(nn.Module):
         save_file(state, str(directory / WEIGHTS_NAME))
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         for variant in self.variants.values():
-            if hasattr(variant, "save_extras"):
-                variant.save_extras(self, directory)
+            variant.save_extras(self, directory)
         write_record(directory, config, [p.name for p in directory.glob("*.safetensors")])
 
     # ---- the forward shared by training and drafting ----------------------------------------------
@@ -280,8 +354,9 @@ class DFlashDrafter(nn.Module):
         ``context = RMSNorm(fuse(concat(states)))`` (Bt, S, H), the same for every layer. It depends only on
         the columns themselves: drafting computes it once per column and caches the keys/values.
         """
-        if hook := self.hook("context_kv"):  # layerwise: each layer reads its own state
-            return hook(states, positions)
+        kv = taken_over(v.context_kv(self, states, positions) for v in self.variants.values())
+        if kv is not None:  # layerwise: each layer reads its own state
+            return kv
         dtype = self.weight_ref.dtype
         if isinstance(states, torch.Tensor):
             self._check_cached_width(states)
@@ -355,18 +430,18 @@ class DFlashDrafter(nn.Module):
                  prompt_len: torch.Tensor | None = None) -> torch.Tensor:
         """Input tokens (Bt, A, K) of block slots 1..K: MASK (DFlash). ids: (Bt, S) long; mask: (Bt, S) bool
         real tokens; anchors: (Bt, A) long columns; prompt_len: (Bt,) long, for variants that need it. Hook (hints)."""
-        if hook := self.hook("slot_ids"):
-            return hook(ids, mask, anchors, prompt_len)
+        slots = taken_over(v.slot_ids(self, ids, mask, anchors, prompt_len) for v in self.variants.values())
+        if slots is not None:
+            return slots
         return anchors.new_full((*anchors.shape, self.num_draft_tokens), self.config.mask_token_id)
 
     def train_logits(self, anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids=None,
                      width: int | None = None) -> torch.Tensor:
         """Teacher-forced logits (Bt, A, K, V) of :meth:`forward_train`: :meth:`block_logits` (one pass); hook (refine)."""
-        if hook := self.hook("train_logits"):
-            if width is not None:
-                raise ValueError(f"width={width}: blocks narrower than the drafter's are replayed for one-pass "
-                                 f"drafters only (this one has variants {list(self.variant_names)})")
-            return hook(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids)
+        args = (anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids, width)
+        logits = taken_over(v.train_logits(self, *args) for v in self.variants.values())
+        if logits is not None:
+            return logits
         return self.block_logits(anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids, width)
 
     def select_hidden_states(self, hidden_states: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -470,8 +545,7 @@ class DFlashDrafter(nn.Module):
         """
         # hook (layerwise): the target cache's layers holding this drafter's context keys/values, if they could;
         # None: the fused DFlash context is never the target's
-        hook = self.hook("shareable_layers")
-        self.draft_cache.offer(hook(cache) if hook else None)
+        self.draft_cache.offer(taken_over(v.shareable_layers(self, cache) for v in self.variants.values()))
 
     def _check_extend(self, attention_mask, hidden_states) -> None:
         rows, n = attention_mask.shape
@@ -515,7 +589,7 @@ class DFlashDrafter(nn.Module):
         ids = anchor_ids.new_full((rows, bs), cfg.mask_token_id)  # (B, N) [anchor, MASK x (N - 1)]
         ids[:, 0] = anchor_ids.reshape(rows)
         # hook (hints): fill slots 1.. of ids in place and return the Block.hints (DFlash: MASK, None)
-        hints = hook(ids, c) if (hook := self.hook("slot_inputs")) else None
+        hints = taken_over(v.slot_inputs(self, ids, c) for v in self.variants.values())
         positions = anchor_position_ids.reshape(rows, 1) + torch.arange(bs, device=ids.device)  # (B, N)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.weight_ref.dtype)
         return Block(ids, cos, sin, c, mask, hints)
@@ -533,8 +607,10 @@ class DFlashDrafter(nn.Module):
 
     def block_passes(self, ids, cos, sin, columns: int, mask, kv) -> torch.Tensor:
         """The passes over the block that give its drafted states: one :meth:`block_pass` (DFlash); hook (refine)."""
-        if hook := self.hook("block_passes"):
-            return hook(ids, cos, sin, columns, mask, kv)
+        args = (ids, cos, sin, columns, mask, kv)
+        states = taken_over(v.block_passes(self, *args) for v in self.variants.values())
+        if states is not None:
+            return states
         return self.block_pass(ids, cos, sin, columns, mask, kv)
 
     def block_pass(self, ids, cos, sin, columns: int, mask, kv) -> torch.Tensor:
@@ -566,8 +642,7 @@ class DFlashDrafter(nn.Module):
     def source_labels(self, block: Block, copied: torch.Tensor | None) -> list[str] | None:
         """Per row of ``block``, what drafts it, given the rows that copy a slot input (``copied`` (B,) bool or
         None); None: unlabelled (DFlash: the drafter drafts every row); hook (hints)."""
-        hook = self.hook("source_labels")
-        return hook(block, copied) if hook else None
+        return taken_over(v.source_labels(self, block, copied) for v in self.variants.values())
 
     def draft_sources(self) -> list[str] | None:
         """What drafted each row of the last :meth:`draft` (the drafter protocol's optional labels, recorded by
@@ -582,4 +657,4 @@ class DFlashDrafter(nn.Module):
 
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "Block", "DFlashDrafter", "DrafterConfig", "Variant", "check_variants",
-           "propose", "saved_config"]
+           "propose", "saved_config", "taken_over"]

@@ -17,7 +17,7 @@ RESULTS_SECTIONS = ["The main job", "Loss gains", "Data and steps", "Speed", "Se
 
 
 def section(text: str, title: str) -> list[str]:
-    """The lines of the ``## title`` section of a markdown text, its heading included, up to the next ``## ``."""
+    """The lines of the ``## title`` section of a markdown text, heading included, up to the next ``## ``."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == f"## {title}")
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
@@ -40,8 +40,8 @@ def broken_links(path: Path) -> list[str]:
 def test_readme_stays_short():
     lines = README.read_text().splitlines()
     assert len(lines) <= MAX_README_LINES, (
-        f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): measured tables go to docs/results.md, "
-        "narrative to docs/history.md")
+        f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): measured tables go to "
+        "docs/results.md, narrative to docs/history.md")
 
 
 def test_readme_results_section_is_one_short_table_that_points_to_results_md():

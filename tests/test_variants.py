@@ -282,3 +282,27 @@ def test_composed_drafters_pickle():
     assert type(clone) is DFlashDrafter
     assert clone.variants == drafter.variants
     assert all(torch.equal(a, b) for a, b in zip(clone.state_dict().values(), drafter.state_dict().values()))
+
+
+# ---- the hooks, declared on Variant ---------------------------------------------------------------
+
+#: Methods of a variant that are its own helpers, not hooks the drafter calls.
+VARIANT_HELPERS = {"hints": {"hinted_slots"}, "store_hints": {"weak_hints"}}
+
+
+def test_every_variant_method_is_a_hook_declared_on_variant():
+    """A variant's public methods are hooks of the Variant base class (a misspelt one would never be called)
+    or its named helpers; the base class's defaults leave every hook to the core."""
+    from drafters.model import Variant
+
+    hooks = {name for name in vars(Variant) if not name.startswith("_") and callable(getattr(Variant, name))}
+    assert {"new_layer", "after_init", "context_kv", "drafted_slots", "own_mask", "slot_ids", "train_logits",
+            "shareable_layers", "slot_inputs", "block_passes", "source_labels", "layer_sources",
+            "save_extras", "load_extras", "default_layer_ids", "check"} <= hooks
+    for name, klass in REGISTRY.items():
+        own = {m for m in vars(klass) if not m.startswith("_") and callable(getattr(klass, m))}
+        assert own - hooks - VARIANT_HELPERS.get(name, set()) == set(), name
+    attached = factory.from_target(build_target("llama"), num_layers=2)
+    base = Variant()
+    assert base.drafted_slots(attached) is None and base.own_mask(attached, 4, "cpu") is None
+    assert base.new_layer(attached) is None and base.default_layer_ids(2, 3) is None

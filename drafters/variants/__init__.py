@@ -29,7 +29,8 @@ from drafters.variants.refine import Refine
 from drafters.variants.store_hints import StoreHints
 
 #: name -> variant class, outermost first: the order of a drafter's ``variants`` (and of its saved config), in
-#: which a hook two variants define is taken from the first.
+#: which a hook two variants define is taken from the first that returns a value
+#: (:func:`drafters.model.taken_over`).
 REGISTRY: dict[str, type[Variant]] = {v.name: v for v in (Refine, StoreHints, LookupHints, CausalAnchor, Layerwise)}
 
 

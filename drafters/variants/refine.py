@@ -27,10 +27,15 @@ class Refine(Variant):
         if self.passes < 1:
             raise ValueError(f"refine_passes must be >= 1 with the refine variant (0: drop the variant), got {self.passes}")
 
-    def train_logits(self, drafter, anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids=None) -> torch.Tensor:
+    def train_logits(self, drafter, anchor_ids, anchor_positions, kv, mask, slot_ids, vocab_ids=None,
+                     width=None) -> torch.Tensor:
         """Eval mode: what drafting does, ``passes`` more passes, each with the previous pass's argmax in the slots.
         Training mode: odd blocks (a = 1, 3, ...) run on the argmax of a first pass made without gradient, even
-        blocks on ``slot_ids``, so one step trains both the first pass and a refining one."""
+        blocks on ``slot_ids``, so one step trains both the first pass and a refining one.
+        Whole blocks only (``width`` None)."""
+        if width is not None:
+            raise ValueError(f"width={width}: blocks narrower than the drafter's are replayed for one-pass "
+                             f"drafters only (this one has variants {list(drafter.variant_names)})")
         args = (anchor_ids, anchor_positions, kv, mask)
         ids = (lambda logits: logits.argmax(-1)) if vocab_ids is None else (lambda logits: vocab_ids[logits.argmax(-1)])
         if drafter.training:  # the first pass only where its argmax is used: the odd blocks (blocks are independent)
