@@ -64,6 +64,29 @@ def check_safetensors(path: str | Path) -> None:
         raise DamagedFileError(f"weights file {path} is damaged: {reason}; restore or re-create it")
 
 
+def check_model_weights(folder: str | Path) -> None:
+    """Check a Hugging Face model folder's weights before transformers reads them: every ``*.safetensors`` file
+    (:func:`check_safetensors`), or, in a folder with none, every pickled ``*.bin`` loaded as tensors only
+    (``weights_only``): a truncated file, or a pickle that holds more than tensors (code torch refuses to run), is
+    named in one line instead of transformers' traceback, which names no file."""
+    folder = Path(folder)
+    safetensors = sorted(folder.glob("*.safetensors"))
+    for weights in safetensors:
+        check_safetensors(weights)
+    for weights in [] if safetensors else sorted(folder.glob("*.bin")):
+        try:
+            torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            cause = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), "")
+            raise DamagedFileError(
+                f"weights file {weights} is a pickle that holds more than tensors ({cause[:160] or type(e).__name__}): "
+                "blockdraft reads pickled weights as tensors only and never runs what a pickle names; use the model "
+                "saved as model.safetensors (save_pretrained writes it)") from None
+        except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as e:
+            raise DamagedFileError(f"weights file {weights} cannot be read ({type(e).__name__}): it is damaged (e.g. "
+                                   "truncated); restore or re-create it") from None
+
+
 def read_checkpoint(path: str | Path, required: Sequence[str] = ("state_dict", "global_step")) -> dict:
     """A Lightning checkpoint loaded with ``weights_only=True``, or :class:`DamagedFileError` naming it."""
     path = Path(path)
@@ -177,6 +200,6 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["BrokenSealError", "DamagedFileError", "check_safetensors", "check_seal", "file_digest", "read_checkpoint",
+__all__ = ["BrokenSealError", "DamagedFileError", "check_model_weights", "check_safetensors", "check_seal", "file_digest", "read_checkpoint",
            "read_json", "read_sealed_json", "seal_path", "sha256_checked", "sha256_file", "write_json_atomic",
            "write_seal", "write_sealed_json"]

@@ -236,3 +236,60 @@ def test_cached_greedy_answers_are_sealed_and_an_edited_or_truncated_file_is_nam
     with pytest.warns(UserWarning, match=rf"{re.escape(str(path))} has no readable seal"):
         assert answers() == first
     assert seal.is_file()
+
+
+# ----------------------------------------------------------------------------- 4. clear refusals
+
+
+def test_a_truncated_regeneration_shard_is_named(tmp_path):
+    from drafters.storage import DamagedFileError
+    from drafters.training.datamodule import finished_ids, load_regenerated
+
+    rows = [{"id": f"r{i}", "domain": "code", "input_ids": list(range(1, 40)), "prompt_len": 3} for i in range(50)]
+    write_shard(rows[:25], tmp_path)
+    shard = write_shard(rows[25:], tmp_path)
+    write_meta(tmp_path, {"complete": True})
+    (arrow,) = shard.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    for read in (load_regenerated, finished_ids):
+        with pytest.raises(DamagedFileError, match=rf"^regenerated shard {re.escape(str(shard))} cannot be read "
+                                                   r"\(OSError: .*\): it is damaged .*delete the folder") as err:
+            read(tmp_path)
+        assert "\n" not in str(err.value)
+
+
+def test_evaluation_without_drafter_path_names_the_key():
+    from experiments.pipeline.eval_drafters import CHOICES_DIR
+    from experiments.pipeline.evaluation import build_drafter, check_drafter_settings
+
+    block = OmegaConf.load(CHOICES_DIR / "block.yaml")
+    with pytest.raises(ValueError, match=r"^drafter.path is not set: experiments.pipeline.eval_drafters.block_drafter "
+                                         r"needs it; give drafter.path=\.\.\."):
+        build_drafter(block, None)
+    without = {k: v for k, v in OmegaConf.to_container(block).items() if k != "path"}  # a section with no path key
+    with pytest.raises(ValueError, match=r"^drafter.path is not set"):
+        check_drafter_settings(without)
+    check_drafter_settings(OmegaConf.load(CHOICES_DIR / "prompt_lookup.yaml"))  # nothing required: no refusal
+
+
+def test_a_pickled_bin_holding_more_than_tensors_is_named_not_loaded(tmp_path):
+    from drafters.storage import DamagedFileError
+    from experiments.data.target import load_target_model
+    from experiments.pipeline.eval_drafters import ar_assistant
+
+    model = tiny_target("llama", vocab_size=VOCAB, hidden_size=32)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")  # tensors only: loads
+    assert load_target_model(str(folder))[0].config.vocab_size == VOCAB
+    torch.save({"weights": model.state_dict(), "hook": print}, folder / "pytorch_model.bin")  # names a callable
+    bad = rf"^weights file {re.escape(str(folder / 'pytorch_model.bin'))} is a pickle that holds more than tensors"
+    with pytest.raises(DamagedFileError, match=bad) as err:
+        load_target_model(str(folder))
+    assert "weights_only=False" not in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(DamagedFileError, match=bad):
+        ar_assistant(model, str(folder))
+    (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(DamagedFileError, match=r"pytorch_model.bin cannot be read \(.*\): it is damaged"):
+        load_target_model(str(folder))

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from drafters.config import target_fingerprint
+from drafters.storage import DamagedFileError
 from drafters.training.batching import EpochShuffle, ResumableLoader, collate, sample_anchors  # noqa: F401 (re-exported)
 from drafters.training.features import FeatureStore, compute_features, features_dir
 
@@ -73,6 +74,19 @@ def write_shard(rows: Sequence[dict], data_dir: str | Path) -> Path:
     return final
 
 
+def load_shard(shard: str | Path) -> datasets.Dataset:
+    """One shard folder (:func:`write_shard`), or a one-line :class:`drafters.storage.DamagedFileError` naming it when
+    it cannot be read (a truncated or garbage file: pyarrow's own error names no file)."""
+    try:
+        return datasets.load_from_disk(str(shard))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # pyarrow's ArrowInvalid / ArrowIOError among them
+        cause = " ".join(str(e).split())[:200]
+        raise DamagedFileError(
+            f"regenerated shard {shard} cannot be read ({type(e).__name__}: {cause}): it is damaged (e.g. truncated "
+            f"by a full disk or a copy cut short); delete the folder {shard} and run experiments.regenerate with the "
+            "same settings again: it regenerates the rows of that shard only") from None
+
+
 def read_meta(data_dir: str | Path) -> dict:
     """``regen.json`` of a data dir ({} if absent)."""
     path = Path(data_dir).expanduser() / META
@@ -96,7 +110,7 @@ def load_regenerated(data_dir: str | Path, warn_incomplete: bool = True):
             f"regenerated dataset at {data_dir} is empty (no shards): run `python -m experiments.regenerate` "
             "with the same target and data settings first"
         )
-    data = datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
+    data = datasets.concatenate_datasets([load_shard(s) for s in shards])
     missing = [c for c in COLUMNS if c not in data.column_names]
     if missing:
         raise ValueError(f"regenerated dataset at {data_dir} lacks columns {missing}; has {data.column_names}")
@@ -110,7 +124,7 @@ def load_regenerated(data_dir: str | Path, warn_incomplete: bool = True):
 
 def finished_ids(data_dir: str | Path) -> set[str]:
     """Ids already regenerated (for resuming a killed job)."""
-    return {i for s in shard_dirs(data_dir) for i in datasets.load_from_disk(str(s))["id"]}
+    return {i for s in shard_dirs(data_dir) for i in load_shard(s)["id"]}
 
 
 def id_hash(row_id: str) -> float:

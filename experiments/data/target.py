@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafters.checks import check_target_config
-from drafters.storage import check_safetensors, read_json
+from drafters.storage import check_model_weights, read_json
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_TARGET_DIR = ASSETS / "tiny_target"
@@ -104,8 +104,7 @@ def load_target_model(path: str, dtype: str = "float32", device: str = "cpu", tr
         raise FileNotFoundError(f"target.path={path}: no Hugging Face model (config.json) there{hint}")
     if looks_local:  # a damaged file is named before transformers reads it
         check_target_config(read_json(local / "config.json", "target config"), local / "config.json")
-        for weights in sorted(local.glob("*.safetensors")):
-            check_safetensors(weights)
+        check_model_weights(local)  # safetensors, or pickled .bin files read as tensors only
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     where = str(local if looks_local else path)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, trust_remote_code=trust_remote_code)

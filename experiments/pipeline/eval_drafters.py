@@ -32,7 +32,7 @@ from drafters.factory import with_variant, without_variant
 from drafters.integrity import ChangedDrafterError
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
-from drafters.storage import DamagedFileError, check_safetensors, file_digest
+from drafters.storage import DamagedFileError, check_model_weights, file_digest
 from drafters.training.datamodule import load_regenerated
 from drafters.training.vocab import frequent_tokens
 from drafters.variants.hint_lookup import HintStore
@@ -216,8 +216,7 @@ def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_
     results.json as ``training_run``.
     """
     directory = _existing_dir(path, "a Hugging Face causal LM folder (e.g. experiments/assets/ar_assistant)")
-    for weights in sorted(directory.glob("*.safetensors")):
-        check_safetensors(weights)
+    check_model_weights(directory)  # safetensors, or pickled .bin files read as tensors only
     weight = next(target.parameters())
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=weight.dtype).to(weight.device).eval()
     model.requires_grad_(False)

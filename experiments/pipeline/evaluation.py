@@ -29,6 +29,7 @@ evaluation into the same run dir refuses, naming the owner. The metrics also go 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -213,9 +214,29 @@ def evaluate(
 # The evaluation stage: config -> results.json
 
 
+def check_drafter_settings(drafter_cfg) -> None:
+    """Refuse a ``drafter`` section that leaves a setting its builder needs unset (``drafter=block`` without
+    ``drafter.path``), naming the key, before anything is loaded (the builder would fail with a bare TypeError)."""
+    if not isinstance(drafter_cfg, Mapping) or "_target_" not in drafter_cfg:
+        return
+    try:
+        builder = hydra.utils.get_method(str(drafter_cfg["_target_"]))
+        params = inspect.signature(builder).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return  # an unknown builder: instantiating it names it
+    given = drafter_cfg if OmegaConf.is_config(drafter_cfg) else OmegaConf.create(dict(drafter_cfg))
+    for p in params:
+        unset = p.name not in given or OmegaConf.is_missing(given, p.name)
+        if p.name != "target" and p.default is p.empty and p.kind is not p.VAR_KEYWORD and unset:
+            example = " (a folder saved by experiments.train, e.g. runs/train/<name>/drafter)" if p.name == "path" else ""
+            raise ValueError(f"drafter.{p.name} is not set: {drafter_cfg['_target_']} needs it; give "
+                             f"drafter.{p.name}=...{example}")
+
+
 def build_drafter(drafter_cfg, target) -> EvalDrafter:
     """The drafter of ``drafter_cfg`` (a ``conf/eval/drafter/`` choice, e.g. an evaluation's ``drafter``) for
     ``target``, with its description."""
+    check_drafter_settings(drafter_cfg)
     factory = hydra.utils.instantiate(drafter_cfg, _partial_=True)  # called here: its errors are not wrapped
     built = factory(target=target)
     if not isinstance(built, EvalDrafter):
@@ -281,6 +302,7 @@ def run_evaluation(cfg: DictConfig) -> dict:
     (:mod:`drafters.locks`, as a training run dir): a second evaluation into it refuses, naming the owner.
     """
     settings = DecodingSettings.from_config(cfg)  # bad settings are refused before the run folder is touched
+    check_drafter_settings(cfg.drafter)
     try:
         with locks.hold(Path(cfg.results_path).expanduser().parent, "run folder"):
             return _run_evaluation(cfg, settings)
