@@ -9,7 +9,7 @@ from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.dflash import DFlashFormatError, export_dflash
 from drafters.variants.hint_lookup import compact_rows, lookup_hints
 from verify import speculative_generate
-from verify.drafter import copy_tokens, lookup_start
+from verify.lookup import copy_tokens, lookup_start
 from verify.metrics import accepted_by_source
 
 

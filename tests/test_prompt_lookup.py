@@ -9,7 +9,7 @@ from conftest import left_padded_prompts, tiny_target
 from test_generate import check_greedy
 
 from verify import PromptLookupDrafter, speculative_generate, target_generate
-from verify.drafter import copy_tokens, lookup_start
+from verify.lookup import copy_tokens, lookup_start
 
 V = 64
 

@@ -1,15 +1,9 @@
 """Exact speculative decoding: rejection-sampling verifier, decoding loops, drafter protocol, metrics."""
 
-from verify.drafter import (
-    AssistantDrafter,
-    CorpusLookupDrafter,
-    Drafter,
-    NgramStore,
-    PromptLookupDrafter,
-    truncated_copy,
-)
+from verify.drafter import AssistantDrafter, Drafter, truncated_copy
 from verify.generate import SpeculativeOutput, TargetOutput, speculative_generate, target_generate
 from verify.hf import max_positions, new_kv_cache, output_vocab_size
+from verify.lookup import CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.metrics import (
     accept_histogram,
     accepted_by_source,

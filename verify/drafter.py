@@ -42,13 +42,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from verify.hf import cache_argument, max_positions, new_kv_cache, output_vocab_size
-from verify.lookup import (  # noqa: F401 (re-exported: the lookup drafters moved to verify.lookup)
-    CorpusLookupDrafter,
-    NgramStore,
-    PromptLookupDrafter,
-    copy_tokens,
-    lookup_start,
-)
 from verify.rejection import sample_tokens, warp_probs
 
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from verify.drafter import NgramStore
+from verify.lookup import NgramStore
 
 
 def lookup_hints(
@@ -41,7 +41,7 @@ def lookup_hints(
     For the largest n in ``max_ngram..min_ngram`` (n <= anchor) whose last-n-token window also ends
     at an earlier column j (j < anchor, every token of both windows real), the latest such j; the hint
     is the tokens after j, continuing periodically past the anchor (period anchor - j), exactly what
-    ``verify.drafter.copy_tokens(seq, lookup_start(seq), K)`` drafts. ``ngram`` is that n, the length of
+    ``verify.lookup.copy_tokens(seq, lookup_start(seq), K)`` drafts. ``ngram`` is that n, the length of
     the match (how much context the hint rests on), and 0 where no n-gram matches (the hint row is then
     0, to be replaced by MASK).
     """

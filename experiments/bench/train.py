@@ -213,7 +213,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=1,
                    help="time every config this many times, round after round (interleaved); each keeps its median")
     p.add_argument("--train-vocab-size", type=int, default=None,
-                   help="training logits over this many ids only (module.train_vocab_size; drafters/vocab.py)")
+                   help="training logits over this many ids only (module.train_vocab_size; "
+                        "drafters/training/vocab.py)")
     p.add_argument("--train-vocab-negatives", type=int, default=0, help="other ids scored per step (sampled softmax)")
     p.add_argument("--bf16", action="store_true", help="the drafter's forward under bfloat16 autocast")
     p.add_argument("--threads", type=int, default=None)

@@ -42,8 +42,8 @@ from experiments.data.target import eos_token_ids
 from experiments.pipeline.assistant import leading_correct
 from experiments.pipeline.suite_batches import start_decoding, suite_result, turn_batches
 from verify import AssistantDrafter, PromptLookupDrafter
-from verify.drafter import copy_tokens, lookup_start
 from verify.generate import target_generate
+from verify.lookup import copy_tokens, lookup_start
 
 #: Answers of one turn: the token ids the target saw and wrote, and where its answer starts.
 Turn = tuple[list[int], int]
