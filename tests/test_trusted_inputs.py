@@ -293,3 +293,28 @@ def test_a_pickled_bin_holding_more_than_tensors_is_named_not_loaded(tmp_path):
     (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(DamagedFileError, match=r"pytorch_model.bin cannot be read \(.*\): it is damaged"):
         load_target_model(str(folder))
+
+
+# ----------------------------------------------------------------------------- 5. the assistant of the chosen target
+
+
+def test_ar_assistant_is_the_one_shipped_for_the_chosen_target():
+    from pathlib import Path
+
+    from test_configs import _compose
+
+    from experiments.pipeline.eval_drafters import drafter_config
+
+    assets = Path(__file__).resolve().parents[1] / "experiments" / "assets"
+    for target, folder in (("tiny", "ar_assistant"), ("smollm2", "ar_assistant_smollm2")):
+        cfg = _compose("evaluate", ["drafter=ar_assistant", f"target={target}"])
+        assert Path(cfg.drafter.path) == assets / folder and (assets / folder / "model.safetensors").is_file()
+    cfg = _compose("evaluate", ["drafter=ar_assistant", "target=hf", "target.path=/models/mine"])
+    with pytest.raises(Exception, match=r"no assistant is shipped for target=hf; give drafter.path=.*"
+                                        r"experiments/assets/ar_assistant_smollm2 for target=smollm2"):
+        _ = cfg.drafter.path
+    cfg = _compose("evaluate", ["drafter=ar_assistant", "target=hf", "target.path=/models/mine", "drafter.path=/a"])
+    assert cfg.drafter.path == "/a"
+    # the multirun report's baselines compose the choice into the jobs' config: its target decides
+    joined = OmegaConf.create({"target": {"name": "smollm2"}, "drafter": drafter_config("ar_assistant")})
+    assert Path(joined.drafter.path) == assets / "ar_assistant_smollm2"

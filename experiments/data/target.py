@@ -22,6 +22,21 @@ def asset_path(name: str) -> str:
     return str(ASSETS / name)
 
 
+#: the ar_assistant shipped for each target of conf/target/ (its asset folder), trained on that target's answers
+SHIPPED_ASSISTANTS = {"tiny": "ar_assistant", "smollm2": "ar_assistant_smollm2"}
+
+
+def shipped_assistant(target_name: str) -> str:
+    """The folder of the ar_assistant shipped for the target named ``target_name`` (Hydra:
+    ``${assistant_for:${target.name}}``, ``conf/eval/drafter/ar_assistant.yaml``); a target without one is refused,
+    naming what to give instead."""
+    if target_name in SHIPPED_ASSISTANTS:
+        return asset_path(SHIPPED_ASSISTANTS[target_name])
+    shipped = ", ".join(f"experiments/assets/{a} for target={t}" for t, a in SHIPPED_ASSISTANTS.items())
+    raise ValueError(f"drafter=ar_assistant: no assistant is shipped for target={target_name}; give drafter.path=<a "
+                     f"Hugging Face causal LM folder with the target's vocabulary> (shipped: {shipped})")
+
+
 def target_signature(path: str) -> dict:
     """What identifies a target's files wherever they lie (a moved or re-cloned folder keeps it): config.json's
     sha1 and, per ``*.safetensors`` file, its size and the sha1 of its first and last MiB (the header and the

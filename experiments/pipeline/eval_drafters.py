@@ -45,12 +45,13 @@ CHOICES_DIR = Path(conf.__file__).parent / "eval" / "drafter"  # the ``drafter=<
 
 
 def drafter_config(choice: str) -> dict:
-    """``conf/eval/drafter/<choice>.yaml``, resolved: what ``experiments.evaluate drafter=<choice>`` composes."""
+    """``conf/eval/drafter/<choice>.yaml``: what ``experiments.evaluate drafter=<choice>`` composes, its
+    interpolations left to the config it joins (``ar_assistant``'s path reads that config's ``target.name``)."""
     path = CHOICES_DIR / f"{choice}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in CHOICES_DIR.glob("*.yaml"))
         raise ValueError(f"drafter {choice!r}: no conf/eval/drafter/{choice}.yaml (choose one of {known})")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
 @dataclass
