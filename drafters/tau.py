@@ -54,15 +54,10 @@ def anchor_acceptance(
     lead = torch.zeros(bsz, seq + 1, dtype=torch.long, device=input_ids.device)
     soft = torch.zeros(bsz, seq + 1, dtype=torch.float32, device=input_ids.device)
     valid = torch.zeros(bsz, seq + 1, dtype=torch.bool, device=input_ids.device)
-    lo, count = prompt_len - 1, length - prompt_len  # first anchor column, anchors per row
     rows = torch.arange(bsz, device=input_ids.device).view(bsz, 1, 1)
-    for start in range(0, int(count.max()), chunk):
-        j = torch.arange(start, min(start + chunk, int(count.max())), device=input_ids.device)  # (A,)
-        amask = j.unsqueeze(0) < count.unsqueeze(1)  # (B, A)
-        anchors = (lo.unsqueeze(1) + j).masked_fill(~amask, 0)  # (B, A)
-        logits = drafter.forward_train(hidden_states, input_ids, None, anchors, amask, attention_mask,
-                                        width=width)
-        logits = logits[:, :, :k_slots]  # (B, A, K)
+    for anchors, amask, logits in anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len,
+                                                length, chunk, width):
+        logits = logits[:, :, :k_slots]  # (B, A, K, V)
         drafts = logits.argmax(-1) if vocab is None else vocab[logits[..., vocab].argmax(-1)]  # (B, A, K)
         cols = slot_positions(anchors, k_slots, seq)  # (B, A, K)
         inside = (anchors.unsqueeze(-1) + torch.arange(1, k_slots + 1, device=anchors.device)
@@ -76,6 +71,39 @@ def anchor_acceptance(
         soft.scatter_(1, where, block_soft)
         valid.scatter_(1, where, amask)
     return lead[:, :seq], soft[:, :seq], valid[:, :seq]
+
+
+def anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len, length, chunk: int = 64,
+                  width: int | None = None):
+    """Yield ``(anchors (B, A) long, amask (B, A) bool, logits (B, A, K', V))``: the drafter's slot logits of a
+    block anchored at every response column (prompt_len - 1 .. length - 2), ``chunk`` anchors per forward."""
+    lo, count = prompt_len - 1, length - prompt_len  # first anchor column, anchors per row
+    for start in range(0, int(count.max()), chunk):
+        j = torch.arange(start, min(start + chunk, int(count.max())), device=input_ids.device)  # (A,)
+        amask = j.unsqueeze(0) < count.unsqueeze(1)  # (B, A)
+        anchors = (lo.unsqueeze(1) + j).masked_fill(~amask, 0)  # (B, A)
+        yield anchors, amask, drafter.forward_train(hidden_states, input_ids, None, anchors, amask, attention_mask,
+                                                    width=width)
+
+
+@torch.no_grad()
+def anchor_top(drafter, hidden_states, input_ids, attention_mask, prompt_len, length, k: int, slots: int,
+               vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` log-probabilities and tokens of the first ``slots`` slots of a block anchored at every column:
+    ``(values (B, S, slots, k) float, ids (B, S, slots, k) long)``, drafting from the candidate ids ``vocab`` (V',)
+    if given (as :class:`drafters.policy.PolicyDrafter` drafts); columns that anchor no block hold zeros."""
+    bsz, seq = input_ids.shape
+    k = min(k, drafter.config.vocab_size if vocab is None else vocab.numel())
+    values = torch.zeros(bsz, seq + 1, slots, k)
+    ids = torch.zeros(bsz, seq + 1, slots, k, dtype=torch.long)
+    for anchors, amask, logits in anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len,
+                                                length):
+        logits = logits[:, :, :slots].float()  # (B, A, W, V)
+        top_v, top_i = (logits if vocab is None else logits[..., vocab]).log_softmax(-1).topk(k, dim=-1)
+        where = anchors.masked_fill(~amask, seq).cpu()  # (B, A): padding anchors to the spare column
+        values[torch.arange(bsz).unsqueeze(1), where] = top_v.cpu()
+        ids[torch.arange(bsz).unsqueeze(1), where] = (top_i if vocab is None else vocab[top_i]).cpu()
+    return values[:, :seq], ids[:, :seq]
 
 
 def greedy_walk(lead: Sequence[int], prompt_len: int, length: int) -> tuple[list[int], list[int]]:

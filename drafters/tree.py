@@ -18,6 +18,7 @@ target runs, and the walk draws the target's own tokens (docs/method.md §3, "Tr
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +30,21 @@ from verify.tree import DraftTree, pad_trees
 
 def best_first_tree(log_probs: torch.Tensor, budget: int) -> tuple[list[int], list[int]]:
     """``(tokens, parents)`` of the ``budget`` highest-scoring paths over slot log-probabilities (K, V): score =
-    sum of the slots' log-probabilities along the path; nodes in the order they were taken (parents first).
+    sum of the slots' log-probabilities along the path; nodes in the order they were taken (parents first)."""
+    values, ids = log_probs.float().topk(min(budget, log_probs.shape[-1]), dim=-1)  # (K, n): per slot, best first
+    return best_first_from_top(values.tolist(), ids.tolist(), budget)
+
+
+def best_first_from_top(values: list[list[float]], ids: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """:func:`best_first_tree` from each slot's top log-probabilities ``values`` and tokens ``ids`` (K lists of n,
+    best first; n >= ``budget`` or the vocabulary).
 
     Best-first search: a frontier of candidate nodes, each the next sibling (next-ranked token of the same slot
     under the same parent) or the first child (top token of the next slot) of a taken node; the best candidate is
     taken until ``budget`` nodes are."""
-    slots = log_probs.shape[0]
+    slots = len(values)
     if budget < 1 or slots < 1:
         return [], []
-    values, ids = log_probs.float().topk(min(budget, log_probs.shape[1]), dim=-1)  # (K, n): per slot, best first
-    values, ids = values.tolist(), ids.tolist()
     ranks = len(values[0])
     tokens, parents, scores = [], [], []
     frontier = [(-values[0][0], -1, 0, 0)]  # (-score, parent node, slot, rank in the slot)
@@ -71,6 +77,19 @@ def merge_paths(tokens: list[int], parents: list[int], paths: list[list[int]]) -
     return tokens, parents
 
 
+def accepted_depth(tokens: list[int], parents: list[int], continuation: Sequence[int]) -> int:
+    """How many tokens of ``continuation`` (the target's greedy tokens after the anchor) a tree ``(tokens,
+    parents)`` holds as a root path: the drafts a T = 0 walk accepts (:func:`verify.tree.walk_tree`)."""
+    child: dict[tuple[int, int], int] = {}
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        child.setdefault((parent, token), i)  # the walk follows the first child holding the token
+    node, depth = -1, 0
+    while depth < len(continuation) and (node, continuation[depth]) in child:
+        node = child[(node, continuation[depth])]
+        depth += 1
+    return depth
+
+
 @dataclass(frozen=True)
 class TreePolicy:
     """What a :class:`TreeDrafter` verifies each step (Hydra: ``conf/eval/drafter/tree.yaml``, ``hybrid.yaml``)."""
@@ -87,6 +106,25 @@ class TreePolicy:
     lookup_paths: int = 1
     #: Every row verifies lookup's paths (where its suffix recurs) and the drafter's nodes together.
     merge: bool = False
+
+    def drafter_width(self, block_slots: int) -> int:
+        """Slots of the drafter's block its tree (or chain) reads."""
+        return block_slots if self.chain_width is None else self.chain_width
+
+    def row_tree(self, lookup: list[list[int]] | None, top: tuple[list, list] | None) -> tuple[list, list, str]:
+        """One row's ``(tokens, parents, source)`` from lookup's paths (None: the row is not lookup's) and the
+        drafter's per-slot top log-probabilities and tokens (None: no drafter pass for the row)."""
+        tokens, parents = [], []
+        if top is not None:
+            values, ids = top
+            if self.chain_width is not None:
+                tokens, parents = [slot[0] for slot in ids[: self.chain_width]], list(range(-1, self.chain_width - 1))
+            else:
+                tokens, parents = best_first_from_top(values, ids, self.budget)
+        if lookup is not None:
+            tokens, parents = merge_paths(tokens, parents, lookup)
+        source = "merged" if top is not None and lookup is not None else "drafter" if top is not None else "lookup"
+        return tokens, parents, source
 
     def check(self, block: PolicyDrafter | None, lookup: PromptLookupDrafter | None) -> None:
         """Refuse what cannot be drafted, naming the key (``drafter.<key>``)."""
@@ -149,52 +187,40 @@ class TreeDrafter:
 
     # ---- one tree per row ------------------------------------------------------------------------------------
 
-    def _lookup_rows(self, anchor_ids: torch.Tensor) -> list[list[list[int]] | None]:
-        """Per row, lookup's paths where its suffix n-gram of >= ``lookup_min_match`` tokens recurs, else None."""
+    def lookup_for(self, seq: torch.Tensor) -> list[list[int]] | None:
+        """Lookup's paths for a row whose tokens up to its anchor are ``seq`` (L,), or None where the row is the
+        drafter's (its longest recurring suffix n-gram is shorter than ``lookup_min_match``; no lookup: always)."""
+        if self.lookup is None:
+            return None
         p = self.policy
-        out = []
-        for seq in self.lookup.sequences(anchor_ids):
-            n, paths = lookup_paths(seq, self.lookup.max_ngram, self.lookup.min_ngram, p.lookup_depth, p.lookup_paths)
-            out.append(paths if n >= p.lookup_min_match or self.block is None else None)
-        return out
+        n, paths = lookup_paths(seq, self.lookup.max_ngram, self.lookup.min_ngram, p.lookup_depth, p.lookup_paths)
+        return paths if n >= p.lookup_min_match or self.block is None else None
+
+    def needs_pass(self, lookup: list[list[int]] | None) -> bool:
+        """Whether a row with lookup's paths ``lookup`` (None: not lookup's) reads the drafter's pass."""
+        return self.block is not None and (self.policy.merge or lookup is None)
 
     @torch.no_grad()
-    def _drafter_trees(self, anchor_ids, anchor_position_ids, rows: list[int]) -> dict[int, tuple[list, list]]:
-        """The block drafter's tree (or chain) of each of ``rows``, from one pass over those rows only."""
+    def _drafter_top(self, anchor_ids, anchor_position_ids, rows: list[int]) -> dict[int, tuple[list, list]]:
+        """Per row of ``rows``, the top log-probabilities and tokens of each slot the policy reads, from one pass of
+        the block drafter over those rows only."""
         if not rows:
             return {}
-        d, p = self.block.drafter, self.policy
+        d = self.block.drafter
         block = d.block_inputs(anchor_ids, anchor_position_ids)
-        index = torch.tensor(rows, device=anchor_ids.device)
         every = len(rows) == anchor_ids.shape[0]
-        states = d.block_states(block, None if every else index)  # (b, K, H)
-        width = p.chain_width if p.chain_width is not None else states.shape[1]
-        log_probs = self.block.head(states[:, :width]).float().log_softmax(-1)  # (b, W, V)
-        trees = {}
-        for row, slots in zip(rows, log_probs):
-            if p.chain_width is not None:
-                trees[row] = (slots.argmax(-1).tolist(), list(range(-1, width - 1)))
-            else:
-                trees[row] = best_first_tree(slots, p.budget)
-        return trees
+        states = d.block_states(block, None if every else torch.tensor(rows, device=anchor_ids.device))  # (b, K, H)
+        states = states[:, : self.policy.drafter_width(states.shape[1])]
+        log_probs = self.block.head(states).float().log_softmax(-1)  # (b, W, V)
+        values, ids = log_probs.topk(min(self.policy.budget, log_probs.shape[-1]), dim=-1)  # (b, W, n)
+        return {row: (v, i) for row, v, i in zip(rows, values.tolist(), ids.tolist())}
 
     def draft_tree(self, anchor_ids, anchor_position_ids, *, temperature: float = 0.0, top_k=None, top_p=None,
                    generator=None) -> DraftTree:
         rows = anchor_ids.shape[0]
-        lookups = self._lookup_rows(anchor_ids) if self.lookup is not None else [None] * rows
-        if self.block is None:
-            own = []
-        elif self.policy.merge:
-            own = list(range(rows))
-        else:
-            own = [b for b in range(rows) if lookups[b] is None]
-        drafted = self._drafter_trees(anchor_ids, anchor_position_ids, own)
-        trees, self._sources = [], []
-        for b in range(rows):
-            tokens, parents = drafted.get(b, ([], []))
-            if lookups[b] is not None:
-                tokens, parents = merge_paths(tokens, parents, lookups[b])
-            trees.append((tokens, parents))
-            self._sources.append("merged" if b in drafted and lookups[b] is not None
-                                 else "drafter" if b in drafted else "lookup")
-        return pad_trees(trees, anchor_ids.device)
+        seqs = self.lookup.sequences(anchor_ids) if self.lookup is not None else [None] * rows
+        lookups = [self.lookup_for(seq) for seq in seqs]
+        top = self._drafter_top(anchor_ids, anchor_position_ids, [b for b in range(rows) if self.needs_pass(lookups[b])])
+        trees = [self.policy.row_tree(lookups[b], top.get(b)) for b in range(rows)]
+        self._sources = [source for _, _, source in trees]
+        return pad_trees([(tokens, parents) for tokens, parents, _ in trees], anchor_ids.device)

@@ -10,6 +10,7 @@ from test_evaluate import _suites, _target, _tokenizer
 
 import experiments.pipeline.evaluation as ev
 from drafters import DraftingPolicy, PolicyDrafter, factory
+from drafters.tree import TreeDrafter, TreePolicy
 from experiments.pipeline import replay
 from experiments.pipeline.choose_k import assistant_taus
 from experiments.pipeline.settings import DecodingSettings
@@ -28,6 +29,13 @@ def setup():
         "block_w2": PolicyDrafter(block, DraftingPolicy(max_draft_tokens=2)),
         "lookup": PromptLookupDrafter(len(tok), 4),
         "assistant": AssistantDrafter(truncated_copy(target, 1).eval(), 3),
+        "tree": TreeDrafter(PolicyDrafter(block), None, TreePolicy(budget=6)),
+        "tree_chain": TreeDrafter(PolicyDrafter(block), None, TreePolicy(chain_width=3)),
+        "hybrid": TreeDrafter(PolicyDrafter(block), PromptLookupDrafter(len(tok), 4),
+                              TreePolicy(budget=3, lookup_min_match=1, lookup_depth=4, lookup_paths=2)),
+        "merged": TreeDrafter(PolicyDrafter(block), PromptLookupDrafter(len(tok), 4),
+                              TreePolicy(budget=3, lookup_depth=4, merge=True)),
+        "lookup_tree": TreeDrafter(None, PromptLookupDrafter(len(tok), 4), TreePolicy(lookup_paths=3, lookup_depth=4)),
     }
     return tok, target, drafters
 
@@ -37,7 +45,8 @@ def _settings(**kw):
                             num_bootstrap=50, progress=False, measure_target_only=False, **kw)
 
 
-@pytest.mark.parametrize("name", ["block", "block_w2", "lookup", "assistant"])
+@pytest.mark.parametrize("name", ["block", "block_w2", "lookup", "assistant", "tree", "tree_chain", "hybrid",
+                                  "merged", "lookup_tree"])
 def test_replayed_counts_equal_the_online_verifier(setup, name, tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
     tok, target, drafters = setup

@@ -32,9 +32,10 @@ import torch
 from drafters.checks import target_weights_sha1
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.storage import DamagedFileError, read_sealed_json, write_sealed_json
-from drafters.tau import anchor_acceptance, greedy_walk
+from drafters.tau import anchor_acceptance, anchor_top, greedy_walk
 from drafters.training.blocks import run_target
 from drafters.training.datamodule import collate
+from drafters.tree import TreeDrafter, accepted_depth
 from experiments.data.hashing import settings_hash
 from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, cache_dir
@@ -118,10 +119,57 @@ def block_leads_by_vocab(drafter, target, turns: Sequence[Turn], vocabs: Sequenc
             lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, batch["attention_mask"],
                                            batch["prompt_len"], length, ref=ref, vocab=vocab)
             rows += [row[: n] for row, n in zip(lead.tolist(), length.tolist())]
-        answer = (torch.arange(ids.shape[1], device=device) >= batch["prompt_len"].unsqueeze(1) - 1) & (
-            torch.arange(ids.shape[1], device=device) < length.unsqueeze(1) - 1)
-        mismatches += int(((out.logits.argmax(-1) != ref) & answer).sum())
+        mismatches += _argmax_mismatches(out.logits, batch)
     return leads, mismatches
+
+
+class _TreeLeads:
+    """``lead[a]`` of a :class:`drafters.tree.TreeDrafter` over one sequence: the depth of the longest root path of
+    the tree drafted at anchor column a that equals the answer's next tokens, computed when the walk asks for it
+    (the drafter's part from its per-slot top tokens at every anchor, ``top``: (S, W, n) values and ids)."""
+
+    def __init__(self, drafter: TreeDrafter, ids: Sequence[int], top: tuple[torch.Tensor, torch.Tensor] | None):
+        self.drafter, self.ids, self.top = drafter, list(ids), top
+
+    def __getitem__(self, a: int) -> int:
+        lookup = self.drafter.lookup_for(torch.tensor(self.ids[: a + 1]))
+        top = None
+        if self.drafter.needs_pass(lookup):
+            top = (self.top[0][a].tolist(), self.top[1][a].tolist())
+        tokens, parents, _ = self.drafter.policy.row_tree(lookup, top)
+        return accepted_depth(tokens, parents, self.ids[a + 1 : a + 1 + self.drafter.num_draft_tokens])
+
+
+@torch.no_grad()
+def tree_leads(drafter: TreeDrafter, target, turns: Sequence[Turn], batch_size: int = 4) -> tuple[list, int]:
+    """A tree drafter's ``lead`` per turn (one teacher-forced target pass per batch of turns where it has a block
+    drafter), and the target's argmax mismatches on the answers in those passes."""
+    if drafter.block is None:
+        return [_TreeLeads(drafter, ids, None) for ids, _ in turns], 0
+    device, policy = next(target.parameters()).device, drafter.policy
+    block, vocab = drafter.block.drafter, drafter.block.draft_vocab
+    slots = policy.drafter_width(block.num_draft_tokens)
+    out_rows, mismatches = [], 0
+    for start in range(0, len(turns), batch_size):
+        chunk = turns[start : start + batch_size]
+        batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in chunk])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        out = run_target(target, batch)
+        values, ids = anchor_top(block, out.hidden_states, batch["input_ids"], batch["attention_mask"],
+                                 batch["prompt_len"], batch["length"], policy.budget, slots,
+                                 None if vocab is None else vocab.to(device))
+        out_rows += [_TreeLeads(drafter, row, (values[b], ids[b])) for b, (row, _) in enumerate(chunk)]
+        mismatches += _argmax_mismatches(out.logits, batch)
+    return out_rows, mismatches
+
+
+def _argmax_mismatches(logits: torch.Tensor, batch: dict) -> int:
+    """Answer tokens of ``batch`` that differ from the target's argmax in its teacher-forced pass (float noise)."""
+    ids, length = batch["input_ids"], batch["length"]
+    ref = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, S): the answer's token after column c
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    answer = (columns >= batch["prompt_len"].unsqueeze(1) - 1) & (columns < length.unsqueeze(1) - 1)
+    return int(((logits.argmax(-1) != ref) & answer).sum())
 
 
 def _block_width(drafter: PolicyDrafter) -> int:
@@ -137,6 +185,8 @@ def _block_width(drafter: PolicyDrafter) -> int:
 def leads(drafter, target, turns: Sequence[Turn]) -> tuple[list[Sequence[int]], int]:
     """``lead`` per turn for any drafter :mod:`experiments.pipeline.eval_drafters` builds, capped at the
     width it verifies; and the target's argmax mismatches on the answers (block drafters only; else 0)."""
+    if isinstance(drafter, TreeDrafter):
+        return tree_leads(drafter, target, turns)
     if isinstance(drafter, PolicyDrafter):
         width = _block_width(drafter)
         rows, mismatches = block_leads(drafter.drafter, target, turns, vocab=drafter.draft_vocab)
