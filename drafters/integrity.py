@@ -15,7 +15,10 @@ it read, in the record's spelling:
 * a setting that differs from the recorded one (``block_size`` edited from 4 to 8 in ``config.json``) is
   refused, naming the file, the key and both values, unless :data:`OVERRIDE` is given: then it is used with a
   warning, and :func:`edited_settings` says what was edited for the evaluation's results;
-* a drafter saved before blockdraft wrote records (or by another tool) loads with a one-line warning;
+* a drafter saved before blockdraft wrote records (or by another tool) loads with a one-line warning, unless it is
+  shipped (under :data:`SHIPPED_DIR`, ``experiments/assets``): a shipped drafter without its record is refused;
+* the autoregressive assistants (Hugging Face folders) carry a record too (:func:`write_assistant_record`: their
+  weights and ``config.json``), checked the same way (:func:`check_assistant_record`);
 * weights holding a NaN or an infinity are refused when saved (:func:`write_record` reads the written files back
   before recording them) and when loaded (:func:`check_finite_weights`), naming the file and the tensor.
 
@@ -36,6 +39,10 @@ from safetensors.torch import load_file
 from drafters.storage import DamagedFileError, read_json, sha256_file, write_json_atomic
 
 RECORD_NAME = "blockdraft_record.json"
+#: where the drafters and assistants shipped with blockdraft live: one without its record is refused, not warned about
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "experiments" / "assets"
+#: config.json keys of a Hugging Face folder that are not settings of the model (the writing library's version)
+HF_UNRECORDED = ("transformers_version",)
 OVERRIDE = "drafter.allow_edited_settings=true"  # the one setting that accepts edited settings
 ABSENT = "absent"  # how a setting missing on one side is shown
 
@@ -144,6 +151,10 @@ def check_saved_record(directory: str | Path, config_name: str, settings: Mappin
     ``allow_edited_settings`` (then warned about). Without a record: a warning."""
     directory = Path(directory)
     record = read_record(directory)
+    if record is None and SHIPPED_DIR in directory.resolve().parents:
+        raise ChangedDrafterError(f"shipped drafter {directory} has no {RECORD_NAME}: a drafter shipped in "
+                                  f"{SHIPPED_DIR.name}/ is used only with the record of its weights and settings; "
+                                  f"restore it (git checkout -- {directory / RECORD_NAME})")
     if record is None:
         warnings.warn(f"drafter {directory} has no {RECORD_NAME} (saved by an older blockdraft or another tool): "
                       f"its weights and {config_name} are loaded without checking that they are those it was "
@@ -162,5 +173,24 @@ def check_saved_record(directory: str | Path, config_name: str, settings: Mappin
                               f"or set {OVERRIDE} to use the edited ones")
 
 
-__all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "ChangedDrafterError", "NonFiniteWeightsError", "check_finite_weights",
-           "check_saved_record", "edited_settings", "read_record", "write_record"]
+def _hf_settings(directory: Path) -> dict:
+    config = read_json(directory / "config.json", "model config")
+    return {k: v for k, v in config.items() if k not in HF_UNRECORDED}
+
+
+def write_assistant_record(directory: str | Path) -> None:
+    """Write the record of the Hugging Face model (an assistant) saved in ``directory``: the sha256 of its
+    ``*.safetensors`` files and its ``config.json`` settings (all its keys but :data:`HF_UNRECORDED`)."""
+    directory = Path(directory)
+    write_record(directory, _hf_settings(directory), [p.name for p in sorted(directory.glob("*.safetensors"))])
+
+
+def check_assistant_record(directory: str | Path, allow_edited_settings: bool = False) -> None:
+    """:func:`check_saved_record` for a Hugging Face model folder (an assistant; :func:`write_assistant_record`)."""
+    directory = Path(directory)
+    check_saved_record(directory, "config.json", _hf_settings(directory), allow_edited_settings)
+
+
+__all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "SHIPPED_DIR", "ChangedDrafterError", "NonFiniteWeightsError",
+           "check_assistant_record", "check_finite_weights", "check_saved_record", "edited_settings", "read_record",
+           "write_assistant_record", "write_record"]

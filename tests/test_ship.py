@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_qwen3
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
 from drafters import factory
 from drafters.storage import file_digest
@@ -133,13 +135,17 @@ def test_the_dflash_exports_card_reads_tau_from_the_given_evaluation(tmp_path):
 def test_the_shipped_assistant_names_its_data_and_commit(tmp_path):
     export = tmp_path / "assistant" / "export"
     export.mkdir(parents=True)
-    (export / "model.safetensors").write_bytes(b"weights")
+    save_file({"w": torch.zeros(2)}, str(export / "model.safetensors"))
+    (export / "config.json").write_text(json.dumps({"model_type": "llama", "transformers_version": "5.18.0"}))
     (export / "training.json").write_text(json.dumps({"steps": 4000}))
     (export / "README.md").write_text("# assistant\n")
     out = tmp_path / "assets" / "ar_assistant_smollm2"
     (out / "old").mkdir(parents=True)  # an earlier ship is replaced whole
     ship_assistant(export, out, RECORD, "d" * 40)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors", "training.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "blockdraft_record.json", "config.json",
+                                                      "model.safetensors", "training.json"]
+    record = json.loads((out / "blockdraft_record.json").read_text())  # an export without a record: recorded now
+    assert record["settings"] == {"model_type": "llama"} and list(record["weights_sha256"]) == ["model.safetensors"]
     meta = json.loads((out / "training.json").read_text())
     assert meta["steps"] == 4000 and meta["shipped"] == {
         **RECORD, "commit": "d" * 40}

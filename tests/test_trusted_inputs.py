@@ -318,3 +318,46 @@ def test_ar_assistant_is_the_one_shipped_for_the_chosen_target():
     # the multirun report's baselines compose the choice into the jobs' config: its target decides
     joined = OmegaConf.create({"target": {"name": "smollm2"}, "drafter": drafter_config("ar_assistant")})
     assert Path(joined.drafter.path) == assets / "ar_assistant_smollm2"
+
+
+# ----------------------------------------------------------------------------- 6. shipped assets and their records
+
+
+def test_a_shipped_drafter_without_its_record_is_refused_not_warned_about(tmp_path, monkeypatch):
+    from drafters import integrity
+
+    monkeypatch.setattr(integrity, "SHIPPED_DIR", tmp_path / "assets")
+    target = _target()
+    drafter = factory.from_target(target, block_size=4)
+    for folder in (tmp_path / "assets" / "mine", tmp_path / "runs" / "mine"):
+        drafter.save_pretrained(folder)
+        (folder / RECORD_NAME).unlink()
+    with pytest.raises(integrity.ChangedDrafterError, match=rf"^shipped drafter {tmp_path / 'assets' / 'mine'} has no "
+                                                           rf"{RECORD_NAME}: .*restore it"):
+        factory.load(tmp_path / "assets" / "mine", target=target)
+    with pytest.warns(UserWarning, match="has no blockdraft_record.json"):  # a drafter of one's own: a warning
+        factory.load(tmp_path / "runs" / "mine", target=target)
+
+
+def test_the_shipped_assistants_carry_a_record_that_is_checked(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from drafters.integrity import ChangedDrafterError, check_assistant_record
+
+    assets = Path(__file__).resolve().parents[1] / "experiments" / "assets"
+    for name in ("ar_assistant", "ar_assistant_smollm2"):
+        check_assistant_record(assets / name)  # committed with a record that matches its files
+    copy = tmp_path / "ar_assistant"
+    shutil.copytree(assets / "ar_assistant", copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with pytest.raises(ChangedDrafterError, match=r"config.json differs from the settings .* num_hidden_layers is 1, "
+                                                  r"recorded 2"):
+        check_assistant_record(copy)
+    (copy / "config.json").write_text(json.dumps({**config, "transformers_version": "9.9"}))  # not a setting
+    check_assistant_record(copy)
+    weights = load_file(str(copy / "model.safetensors"))
+    save_file({k: v.clone() + (i == 0) for i, (k, v) in enumerate(weights.items())}, str(copy / "model.safetensors"))
+    with pytest.raises(ChangedDrafterError, match=r"model.safetensors have sha256 .* but .* records"):
+        check_assistant_record(copy)

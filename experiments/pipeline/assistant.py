@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from drafters import locks, storage
+from drafters.integrity import write_assistant_record
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import read_meta
 from experiments.data.target import load_target
@@ -181,7 +182,8 @@ class AssistantLM(L.LightningModule):
 
 
 def export_assistant(model, target_path: str, out_dir: Path, dtype: str, meta: dict) -> Path:
-    """``save_pretrained`` (safetensors in ``dtype``) with the target's tokenizer, training.json and README.md."""
+    """``save_pretrained`` (safetensors in ``dtype``) with the target's tokenizer, training.json, README.md and the
+    record of its weights and config (:func:`drafters.integrity.write_assistant_record`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     copy = type(model)(model.config).to(getattr(torch, dtype))
     copy.load_state_dict(model.state_dict())
@@ -189,6 +191,7 @@ def export_assistant(model, target_path: str, out_dir: Path, dtype: str, meta: d
     AutoTokenizer.from_pretrained(target_path).save_pretrained(out_dir)
     (out_dir / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
     (out_dir / "README.md").write_text(model_card(meta))
+    write_assistant_record(out_dir)  # the weights' sha256 and config.json, checked when it is evaluated
     return out_dir
 
 

@@ -29,7 +29,7 @@ import conf
 from drafters import factory
 from drafters.checks import TargetMismatchError
 from drafters.factory import with_variant, without_variant
-from drafters.integrity import ChangedDrafterError
+from drafters.integrity import ChangedDrafterError, check_assistant_record
 from drafters.model import DFlashDrafter
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.storage import DamagedFileError, check_model_weights, file_digest
@@ -218,6 +218,7 @@ def ar_assistant(target, path: str, num_draft_tokens: int = 15, name: str = "ar_
     """
     directory = _existing_dir(path, "a Hugging Face causal LM folder (e.g. experiments/assets/ar_assistant)")
     check_model_weights(directory)  # safetensors, or pickled .bin files read as tensors only
+    check_assistant_record(directory)  # its weights and config.json as recorded (a shipped one must have a record)
     weight = next(target.parameters())
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=weight.dtype).to(weight.device).eval()
     model.requires_grad_(False)

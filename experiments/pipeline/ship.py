@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from drafters.integrity import check_assistant_record, read_record, write_assistant_record
 from drafters.storage import file_digest
 from experiments.pipeline.export import LOSS_KEYS, tau_table, trained_settings
 from experiments.pipeline.paths import portable_override
@@ -187,6 +188,9 @@ def ship_assistant(export_dir: str | Path, out: str | Path, data_record: dict, c
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(export_dir, out)
+    if read_record(out) is None:  # an export from before assistants had records: recorded now
+        write_assistant_record(out)
+    check_assistant_record(out)  # the copy is the export that was recorded
     shipped = {**_data(data_record), "commit": commit}
     (out / "training.json").write_text(json.dumps({**meta, "shipped": shipped}, indent=1) + "\n")
     data = _data_line({**shipped, "train_rows": meta.get("train_rows", 0), "held_out_rows": meta.get("val_rows", 0)})
