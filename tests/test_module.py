@@ -305,3 +305,28 @@ def test_bad_targets_and_drafters_are_refused():
         DrafterLightningModule(drafter, make_target(), AcceptanceAlignedLoss(), torch.optim.AdamW)
     with pytest.raises(ValueError, match="num_anchors"):
         DrafterLightningModule(drafter, target, AcceptanceAlignedLoss(), torch.optim.AdamW, num_anchors=0)
+
+
+def test_choose_k_tree_replays_each_tree_and_hybrid_setting(greedy_data, trained):
+    """experiments.pipeline.choose_k's trees: the τ of each best-first budget and hybrid setting, replayed from one
+    teacher-forced pass, equals the online τ of that policy; the step cost counts the drafter only where it ran."""
+    from drafters.policy import PolicyDrafter
+    from drafters.tree import TreeDrafter
+    from experiments.pipeline.choose_k import choose_tree, tree_settings
+    from verify import PromptLookupDrafter
+
+    target, _, eval_ids, eval_mask = greedy_data
+    drafter = trained[0].drafter.eval()
+    prompts = [row[m.bool()].tolist() for row, m in zip(eval_ids, eval_mask)]
+    rows = [(p + target_generate(target, torch.tensor([p]), max_new_tokens=NEW).new_tokens[0], len(p)) for p in prompts]
+    policies = tree_settings([2, 4], [1, 2], lookup_depth=3)
+    target_ms = {w: 10.0 + w for w in range(1, 12)}
+    picked = choose_tree(drafter, target, rows, None, policies, target_ms, rounds=2)
+    assert set(picked["by_setting"]) == set(policies) and picked["chosen"]["tree"] in ("tree_n2", "tree_n4")
+    for name, policy in policies.items():
+        lookup = PromptLookupDrafter(drafter.vocab_size, 3) if name.startswith("hybrid") else None
+        online = TreeDrafter(PolicyDrafter(drafter), lookup, policy)
+        steps = sum(speculative_generate(target, online, torch.tensor([ids[:cut]]), max_new_tokens=NEW).num_target_forwards
+                    for ids, cut in rows)
+        assert picked["by_setting"][name]["tau"] == pytest.approx(sum(len(i) - c for i, c in rows) / steps, abs=1e-4)
+    assert picked["by_setting"]["tree_n4"]["tau"] >= picked["by_setting"]["tree_n2"]["tau"] > 1.0

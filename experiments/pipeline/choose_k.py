@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,14 +37,22 @@ from drafters import factory
 from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import load_regenerated, split_by_id
+from drafters.tree import TreeDrafter, TreePolicy
 from experiments.data.target import load_target
 from experiments.pipeline.assistant import leading_correct
 from experiments.pipeline.eval_drafters import candidate_vocab
 from experiments.pipeline.records import write_record
-from experiments.pipeline.replay import assistant_correct, block_leads_by_vocab, lookup_replay
+from experiments.pipeline.replay import (
+    TreeLeads,
+    assistant_correct,
+    block_leads_by_vocab,
+    lookup_replay,
+    tree_tops,
+)
 from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument, new_growing_kv_cache
 from verify.layout import LAYOUTS, set_weight_layout
+from verify.lookup import PromptLookupDrafter
 
 
 def held_out_rows(data_dir: str, fraction: float, limit: int) -> list[tuple[list[int], int]]:
@@ -131,6 +140,69 @@ def best_estimate(choice: dict) -> float:
     return choice["by_k"][choice["chosen_k"]]["speedup_estimate"]
 
 
+class _Steps:
+    """A ``lead`` sequence that records, per step the walk takes, what drafted the step's tree and its node count."""
+
+    def __init__(self, leads: TreeLeads):
+        self.leads, self.steps = leads, []
+
+    def __getitem__(self, a: int) -> int:
+        lead = self.leads[a]
+        self.steps.append((self.leads.source, self.leads.nodes))
+        return lead
+
+
+def tree_settings(budgets, matches, lookup_depth: int) -> dict[str, TreePolicy]:
+    """The tree policies tried: the drafter's best-first tree of N nodes (``tree_n<N>``) and the hybrid with it
+    (``hybrid_n<N>_m<m>``: lookup's chain of ``lookup_depth`` where the row's last m tokens recur)."""
+    out = {f"tree_n{n}": TreePolicy(budget=n) for n in budgets}
+    out |= {f"hybrid_n{n}_m{m}": TreePolicy(budget=n, lookup_min_match=m, lookup_depth=lookup_depth)
+            for n in budgets for m in matches}
+    return out
+
+
+@torch.no_grad()
+def tree_draft_ms(target, drafter: TreeDrafter, rounds: int, context: int = 200) -> float:
+    """Median ms of one tree drafted by the block drafter alone (its pass, the top tokens, the best-first search),
+    batch 1, after a ``context``-column prefill."""
+    _cache, anchor, position = prefill(target, drafter, 1, context)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        drafter.draft_tree(anchor, position)
+        times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def choose_tree(drafter, target, rows, vocab, policies: dict[str, TreePolicy], target_ms: dict[int, float],
+                rounds: int, tops=None) -> dict:
+    """τ and the estimated speedup of each tree policy over ``drafter`` (a block drafter drafting from the candidate
+    ids ``vocab``), replayed on ``rows``: a step costs the target's forward over the tree's nodes + 1 columns
+    (timed with a causal mask, which costs what the ancestor-only mask does) plus the drafter's pass where the step
+    used it (lookup's own cost is left out: ~0.3% of a step). Returns ``by_setting`` and the ``chosen`` policy."""
+    block = PolicyDrafter(drafter, DraftingPolicy(), vocab)
+    top_k = max(p.budget for p in policies.values())
+    tops = tops or tree_tops(drafter, vocab, target, rows, top_k, drafter.num_draft_tokens)[0]
+    ms = {n: tree_draft_ms(target, TreeDrafter(block, None, TreePolicy(budget=n)), rounds)
+          for n in sorted({p.budget for p in policies.values()})}
+    tokens = sum(len(ids) - cut for ids, cut in rows)
+    by_setting = {}
+    for name, policy in policies.items():
+        lookup = PromptLookupDrafter(drafter.vocab_size, policy.lookup_depth) if name.startswith("hybrid") else None
+        variant = TreeDrafter(block, lookup, policy)
+        steps, cost = 0, 0.0
+        for (ids, cut), top in zip(rows, tops):
+            walk = _Steps(TreeLeads(variant, ids, top))
+            steps += len(greedy_walk(walk, cut, len(ids))[0])
+            cost += sum(target_ms[min(nodes + 1, max(target_ms))] + (ms[policy.budget] if source != "lookup" else 0.0)
+                        for source, nodes in walk.steps)
+        by_setting[name] = {"tau": round(tokens / steps, 4), "step_ms": round(cost / steps, 2),
+                            "speedup_estimate": round(tokens * target_ms[1] / cost, 4), **asdict(policy)}
+    best = {kind: max((n for n in by_setting if n.startswith(kind)), key=lambda n: by_setting[n]["speedup_estimate"],
+                      default=None) for kind in ("tree", "hybrid")}
+    return {"draft_ms": ms, "by_setting": by_setting, "chosen": best}
+
+
 def choose_all(args, rows, layout: str, replayed: dict) -> dict:
     """Every choice of this module with the weights of the target, the assistant and the block drafters laid out as
     ``layout`` (:func:`verify.layout.set_weight_layout`), which only the step costs depend on: the τ's (and a block
@@ -153,6 +225,8 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
             replayed[name] = vocabs, block_taus(drafter, target, rows, ws, vocabs)
         blocks[name] = drafter, ws, *replayed[name]
     set_weight_layout(layout, target, assistant, *(block[0] for block in blocks.values()))
+    if args.tree:
+        widths = sorted({*widths, *(n + 1 for n in args.tree_budgets), max(args.ks) + 1})
     target_ms = forward_ms(target, widths, args.rounds)
     result = {"target_ms": target_ms,
               "prompt_lookup": choose(replayed["prompt_lookup"], {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
@@ -164,6 +238,15 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
     for name, (drafter, ws, vocabs, taus) in blocks.items():
         result.setdefault("block_width", {})[name] = choose_block(drafter, target, rows, ws, vocabs, target_ms,
                                                                   args.rounds, taus)
+    lookup_k = result["prompt_lookup"]["chosen_k"]
+    for name, path in (item.split("=", 1) for item in args.tree):
+        drafter = factory.load(path, target=target).eval()
+        set_weight_layout(layout, drafter)
+        vocab = (candidate_vocab(target, args.tree_vocab_size, args.draft_vocab_from or args.data_dir, Path(path))
+                 if args.tree_vocab_size else None)
+        policies = tree_settings(args.tree_budgets, args.hybrid_matches, lookup_k)
+        result.setdefault("tree", {})[name] = choose_tree(drafter, target, rows, vocab, policies, target_ms,
+                                                          args.rounds)
     return result
 
 
@@ -191,6 +274,14 @@ def main(argv=None) -> dict:
                    help="the data or recorded-answers folder the candidates are counted in (default: --data-dir)")
     p.add_argument("--weight-layouts", nargs="+", default=["row_major"], choices=LAYOUTS,
                    help="the decoding setting weight_layout: each one's step costs timed, the best one chosen")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                   help="a trained block drafter drafting trees: the node budget N of its best-first tree, and of "
+                        "the hybrid with prompt lookup (its chosen K) and the match length m (drafter.budget, "
+                        "drafter.lookup_min_match of conf/eval/drafter/tree.yaml and hybrid.yaml)")
+    p.add_argument("--tree-budgets", type=int, nargs="+", default=[2, 3, 4, 6, 8, 16])
+    p.add_argument("--hybrid-matches", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--tree-vocab-size", type=int, default=0,
+                   help="the trees' candidate vocabulary (drafter.draft_vocab_size; 0: the whole vocabulary)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
@@ -210,6 +301,9 @@ def main(argv=None) -> dict:
         print(f"[choose_k] {name}: W = {chosen['chosen_k']}, candidate vocabulary {chosen['chosen_vocab'] or 'all'}  "
               f"{chosen['by_k']}", flush=True)
     print(f"[choose_k] weight layout: {layout}", flush=True)
+    for name, chosen in result.get("tree", {}).items():
+        print(f"[choose_k] {name}: tree {chosen['chosen']['tree']}, hybrid {chosen['chosen']['hybrid']}  "
+              f"{ {k: v['speedup_estimate'] for k, v in chosen['by_setting'].items()} }", flush=True)
     for name in ("prompt_lookup", "ar_assistant"):
         if name in result:
             print(f"[choose_k] {name}: K = {result[name]['chosen_k']}  {result[name]['by_k']}", flush=True)

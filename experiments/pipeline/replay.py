@@ -123,10 +123,11 @@ def block_leads_by_vocab(drafter, target, turns: Sequence[Turn], vocabs: Sequenc
     return leads, mismatches
 
 
-class _TreeLeads:
+class TreeLeads:
     """``lead[a]`` of a :class:`drafters.tree.TreeDrafter` over one sequence: the depth of the longest root path of
     the tree drafted at anchor column a that equals the answer's next tokens, computed when the walk asks for it
-    (the drafter's part from its per-slot top tokens at every anchor, ``top``: (S, W, n) values and ids)."""
+    (the drafter's part from its per-slot top tokens at every anchor, ``top``: (S, W, n) values and ids). After each
+    lookup, ``source`` and ``nodes`` say what drafted that anchor's tree and how many nodes it has."""
 
     def __init__(self, drafter: TreeDrafter, ids: Sequence[int], top: tuple[torch.Tensor, torch.Tensor] | None):
         self.drafter, self.ids, self.top = drafter, list(ids), top
@@ -136,31 +137,39 @@ class _TreeLeads:
         top = None
         if self.drafter.needs_pass(lookup):
             top = (self.top[0][a].tolist(), self.top[1][a].tolist())
-        tokens, parents, _ = self.drafter.policy.row_tree(lookup, top)
+        tokens, parents, self.source = self.drafter.policy.row_tree(lookup, top)
+        self.nodes = len(tokens)
         return accepted_depth(tokens, parents, self.ids[a + 1 : a + 1 + self.drafter.num_draft_tokens])
 
 
 @torch.no_grad()
-def tree_leads(drafter: TreeDrafter, target, turns: Sequence[Turn], batch_size: int = 4) -> tuple[list, int]:
-    """A tree drafter's ``lead`` per turn (one teacher-forced target pass per batch of turns where it has a block
-    drafter), and the target's argmax mismatches on the answers in those passes."""
-    if drafter.block is None:
-        return [_TreeLeads(drafter, ids, None) for ids, _ in turns], 0
-    device, policy = next(target.parameters()).device, drafter.policy
-    block, vocab = drafter.block.drafter, drafter.block.draft_vocab
-    slots = policy.drafter_width(block.num_draft_tokens)
-    out_rows, mismatches = [], 0
+def tree_tops(block, vocab: torch.Tensor | None, target, turns: Sequence[Turn], k: int, slots: int,
+              batch_size: int = 4) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Per turn, a block drafter's top ``k`` log-probabilities and tokens of its first ``slots`` slots at every
+    anchor ((S, slots, k) each; :func:`drafters.tau.anchor_top`), from one teacher-forced target pass per batch of
+    turns; and the target's argmax mismatches on the answers in those passes."""
+    device = next(target.parameters()).device
+    tops, mismatches = [], 0
     for start in range(0, len(turns), batch_size):
-        chunk = turns[start : start + batch_size]
-        batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in chunk])
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in turns[start : start + batch_size]])
+        batch = {key: v.to(device) for key, v in batch.items()}
         out = run_target(target, batch)
         values, ids = anchor_top(block, out.hidden_states, batch["input_ids"], batch["attention_mask"],
-                                 batch["prompt_len"], batch["length"], policy.budget, slots,
+                                 batch["prompt_len"], batch["length"], k, slots,
                                  None if vocab is None else vocab.to(device))
-        out_rows += [_TreeLeads(drafter, row, (values[b], ids[b])) for b, (row, _) in enumerate(chunk)]
+        tops += list(zip(values, ids))
         mismatches += _argmax_mismatches(out.logits, batch)
-    return out_rows, mismatches
+    return tops, mismatches
+
+
+def tree_leads(drafter: TreeDrafter, target, turns: Sequence[Turn]) -> tuple[list[TreeLeads], int]:
+    """A tree drafter's ``lead`` per turn (:class:`TreeLeads`) and the target's argmax mismatches (block part only)."""
+    if drafter.block is None:
+        return [TreeLeads(drafter, ids, None) for ids, _ in turns], 0
+    slots = drafter.policy.drafter_width(drafter.block.num_draft_tokens)
+    tops, mismatches = tree_tops(drafter.block.drafter, drafter.block.draft_vocab, target, turns,
+                                 drafter.policy.budget, slots)
+    return [TreeLeads(drafter, ids, top) for (ids, _), top in zip(turns, tops)], mismatches
 
 
 def _argmax_mismatches(logits: torch.Tensor, batch: dict) -> int:
