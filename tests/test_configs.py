@@ -54,9 +54,10 @@ def test_evaluation_drafters_compose(choice):
     """``experiments.evaluate drafter=<choice>``: every evaluation drafter names a builder; the baselines
     need no path (ar_assistant defaults to the shipped assistant) and name their report row."""
     cfg = _compose("evaluate", [f"drafter={choice}"])
-    assert cfg.drafter._target_ == f"experiments.pipeline.eval_drafters.{'block_drafter' if choice == 'block' else choice}"
-    if choice == "block":
-        assert OmegaConf.is_missing(cfg.drafter, "path") and cfg.drafter.name is None
+    builder = {"block": "block_drafter", "tree": "tree_drafter", "hybrid": "tree_drafter"}.get(choice, choice)
+    assert cfg.drafter._target_ == f"experiments.pipeline.eval_drafters.{builder}"
+    if choice in ("block", "tree", "hybrid"):  # a trained block drafter, named by path
+        assert OmegaConf.is_missing(cfg.drafter, "path") and cfg.drafter.name == (None if choice != "hybrid" else choice)
     else:
         assert cfg.drafter.name == choice and cfg.drafter.num_draft_tokens == 15
     if choice == "ar_assistant":

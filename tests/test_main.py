@@ -22,6 +22,10 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
             (tmp_path / "choose_k.json").write_text('{"prompt_lookup": {"chosen_k": 5}, "ar_assistant": {"chosen_k": 3}, '
                                                    '"block_width": {"l2r_all": {"chosen_k": 2}, '
                                                    '"l2r_all_long": {"chosen_k": 2, "chosen_vocab": 8192}}, '
+                                                   '"tree": {"l2r_all_long": {"chosen": {"tree": "tree_n6", '
+                                                   '"hybrid": "hybrid_n4_m2"}, "by_setting": {"tree_n6": {"budget": 6}, '
+                                                   '"hybrid_n4_m2": {"budget": 4, "lookup_min_match": 2, '
+                                                   '"lookup_depth": 5}}}}, '
                                                    '"chosen_layout": "onednn_packed"}')
         if module == "experiments.report":
             out = Path(overrides[-1])
@@ -32,6 +36,10 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
     (tmp_path / "train" / "uniform").mkdir(parents=True)  # what the training stage records
     (tmp_path / "train" / "uniform" / "train_summary.json").write_text('{"data_dir": "cache/regen/x/abc"}')
     return calls, main_job.run_main_job(cfg)
+
+
+CHOICES = {"prompt_lookup": "prompt_lookup", "ar_assistant": "ar_assistant", "hybrid": "hybrid",
+           "l2r_all_long_tree": "tree"}  # a timed drafter's conf/eval/drafter choice (default: block)
 
 
 def _check_evaluations(cfg, by_name: dict, drafters: list[str], timed: list[str], tmp_path) -> None:
@@ -46,7 +54,7 @@ def _check_evaluations(cfg, by_name: dict, drafters: list[str], timed: list[str]
     assert speed[0] == "target=smollm2" and speed[-1] == f"hydra.run.dir={tmp_path}/speed"
     assert speed[-len(cfg.speed_overrides) - 1:-1] == list(cfg.speed_overrides)
     assert [a for a in speed if a.startswith("+drafter@")] == [
-        f"+drafter@drafters.{d}={d if d in ('prompt_lookup', 'ar_assistant') else 'block'}" for d in timed]
+        f"+drafter@drafters.{d}={CHOICES.get(d, 'block')}" for d in timed]
     assert not any(a.startswith(("drafter=", "drafter.", "temperatures=")) for a in speed[:-len(cfg.speed_overrides) - 1])
     assert "batch_size=1" in cfg.speed_overrides and "temperatures=[0.0]" in cfg.speed_overrides
     assert "replay_greedy=true" in cfg.evaluate_overrides  # T=0 replayed; T=1 decoded
@@ -99,12 +107,13 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
         cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path)])
     calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
     names = [c[0] for c in calls]
-    drafters = ["uniform", "l2r_all", "uniform_long", "l2r_all_long", "prompt_lookup", "ar_assistant"]
+    drafters = ["uniform", "l2r_all", "uniform_long", "l2r_all_long", "l2r_all_long_tree", "uniform_long_tree",
+                "hybrid", "prompt_lookup", "ar_assistant"]
     timed = list(cfg.speed_drafters)
-    assert timed == ["l2r_all_long", "prompt_lookup", "ar_assistant"]
+    assert timed == ["l2r_all_long", "l2r_all_long_tree", "hybrid", "prompt_lookup", "ar_assistant"]
     assert names == ["data", "train uniform", "train l2r_all", "choose K",  # the assistant is shipped, not trained
                      *(f"eval {d}" for d in drafters), "speed", "serve l2r_all_long",
-                     "report", "report report_long"]
+                     "report", "report report_long", "report report_tree"]
     assert [s["stage"] for s in log["stages"]] == names  # a time per stage
     by_name = {c[0]: c[2] for c in calls}
     assert by_name["serve l2r_all_long"][:2] == ["target=smollm2", f"drafter.path={tmp_path}/assets/l2r_all_long"]
@@ -115,8 +124,19 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assets = tmp_path / "assets"
     assert f"drafter.path={assets}/ar_assistant_smollm2" in by_name["eval ar_assistant"]
     assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
-    assert by_name["choose K"][-4:] == ["--assistant", f"{assets}/ar_assistant_smollm2",
-                                        "--drafter", f"l2r_all_long={assets}/l2r_all_long"]
+    assert by_name["choose K"][-8:] == ["--assistant", f"{assets}/ar_assistant_smollm2",
+                                        "--drafter", f"l2r_all_long={assets}/l2r_all_long",
+                                        "--tree", f"l2r_all_long={assets}/l2r_all_long", "--tree-vocab-size", "4096"]
+    # trees and the hybrid: the settings chosen held out for l2r_all_long, uniform_long's tree at the same N
+    assert by_name["eval l2r_all_long_tree"][1:5] == ["drafter=tree", f"drafter.path={assets}/l2r_all_long",
+                                                     "drafter.name=l2r_all_long_tree", "drafter.draft_vocab_size=4096"]
+    assert {"drafter.budget=6"} <= set(by_name["eval uniform_long_tree"]) and f"drafter.path={assets}/uniform_long" in \
+        by_name["eval uniform_long_tree"]
+    assert {"drafter=hybrid", "drafter.budget=4", "drafter.lookup_min_match=2", "drafter.lookup_depth=5"} <= set(
+        by_name["eval hybrid"])
+    assert {"+drafter@drafters.hybrid=hybrid", "drafters.hybrid.budget=4", "drafters.l2r_all_long_tree.budget=6"} <= set(
+        by_name["speed"])
+    assert not any(a.startswith("temperatures") for a in by_name["eval hybrid"])  # T=0 and T=1
     assert by_name["eval l2r_all_long"][:4] == ["target=smollm2", f"drafter.path={assets}/l2r_all_long",
                                                 "drafter.name=l2r_all_long", "temperatures=[0.0]"]
     assert "drafters.l2r_all_long.max_draft_tokens=2" in by_name["speed"]  # its best W at batch 1, chosen held out

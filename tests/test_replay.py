@@ -149,3 +149,24 @@ def test_choose_k_assistant_taus_equal_the_online_verifier(setup, tmp_path, monk
                                        temperature=0.0, settings=_settings())
             assert taus[k] == pytest.approx(online["tau"]), (suite, k)
         assert taus[4] > 1.0  # drafts get accepted
+
+
+def test_tree_and_hybrid_rows_are_built_from_a_saved_drafter(setup, tmp_path, monkeypatch):
+    """conf/eval/drafter/tree.yaml and hybrid.yaml's builder: a saved block drafter drafting trees, with prompt lookup
+    for the hybrid; its results.json description names the policy; a policy without a drafter is refused."""
+    from experiments.pipeline.eval_drafters import tree_drafter
+
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    drafters["block"].drafter.save_pretrained(tmp_path / "drafter")
+    hybrid = tree_drafter(target, str(tmp_path / "drafter"), name="hybrid", lookup=True, budget=3)
+    assert isinstance(hybrid.drafter, TreeDrafter) and hybrid.drafter.lookup is not None
+    assert hybrid.info["kind"] == "hybrid" and hybrid.info["config"]["tree_policy"]["budget"] == 3
+    assert "best-first tree N=3" in hybrid.info["description"]
+    prompts = [p for suite in _suites().values() for p in suite]
+    online = ev.evaluate_suite(target, tok, hybrid.drafter, prompts, suite="all", temperature=0.0, settings=_settings())
+    assert online["tau"] >= 1.0
+    tree = tree_drafter(target, str(tmp_path / "drafter"), budget=2)
+    assert tree.info["kind"] == "tree" and tree.drafter.lookup is None
+    with pytest.raises(ValueError, match="needs a drafter"):
+        tree_drafter(target, None, lookup=False)

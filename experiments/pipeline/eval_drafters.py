@@ -17,7 +17,7 @@ drafters also ``weights_sha256`` and ``edited_settings``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from drafters.policy import DraftingPolicy, PolicyDrafter
 from drafters.storage import DamagedFileError, check_model_weights, file_digest
 from drafters.training.datamodule import load_regenerated
 from drafters.training.vocab import frequent_tokens
+from drafters.tree import TreeDrafter, TreePolicy
 from drafters.variants.hint_lookup import HintStore
 from experiments.pipeline.recorded_answers import RECORD, load_answers
 from experiments.pipeline.records import training_run_info
@@ -274,3 +275,37 @@ def corpus_lookup(target, data_dir: str, num_draft_tokens: int = 15, max_ngram: 
                        f"{max_ngram}..{min_ngram}-gram in {len(data)} regenerated answers{last}, "
                        f"K={num_draft_tokens}" + ("; no training" if block is None else ""),
     })
+
+
+def tree_drafter(target, path: str | None = None, name: str | None = None, lookup: bool = False, budget: int = 4,
+                 chain_width: int | None = None, lookup_min_match: int = 2, lookup_depth: int = 5,
+                 lookup_paths: int = 1, merge: bool = False, max_ngram: int = 3, min_ngram: int = 1,
+                 draft_vocab_size: int | None = None, draft_vocab_from: str | None = None,
+                 allow_other_target: bool = False, allow_edited_settings: bool = False) -> EvalDrafter:
+    """Trees verified in one target pass (:mod:`drafters.tree`): the block drafter at ``path`` drafting best-first
+    trees of ``budget`` nodes (or its argmax chain of ``chain_width``), with ``lookup`` prompt lookup's paths in the
+    rows whose last ``lookup_min_match`` tokens recur (the hybrid), or in every row beside the drafter's nodes
+    (``merge``); ``path=None`` with ``lookup``: lookup's paths alone. :class:`drafters.tree.TreePolicy` documents
+    and checks the settings (all exact)."""
+    policy = TreePolicy(budget=budget, chain_width=chain_width, lookup_min_match=lookup_min_match,
+                        lookup_depth=lookup_depth, lookup_paths=lookup_paths, merge=merge)
+    block = None
+    if path is not None:
+        block = block_drafter(target, path, name, draft_vocab_size=draft_vocab_size, draft_vocab_from=draft_vocab_from,
+                              allow_other_target=allow_other_target, allow_edited_settings=allow_edited_settings)
+    finder = PromptLookupDrafter(output_vocab_size(target), lookup_depth, max_ngram, min_ngram) if lookup else None
+    try:
+        drafter = TreeDrafter(block.drafter if block is not None else None, finder, policy)
+    except ValueError as e:
+        raise ValueError(f"{e} [drafter.path={path}, drafter.lookup={lookup}]") from e
+    lookup_settings = {"lookup": lookup, "max_ngram": max_ngram, "min_ngram": min_ngram} if lookup else {}
+    info = dict(block.info) if block is not None else {
+        "name": name, "path": None, "num_parameters": 0, "training_run": None, "config": {}}
+    shape = f"chain W={chain_width}" if chain_width is not None else f"best-first tree N={budget}"
+    rule = ("merged with lookup's paths in every row" if merge else
+            f"prompt lookup's {lookup_paths} path(s) of {lookup_depth} where the last >= {lookup_min_match} tokens recur"
+            if lookup else "")
+    info.update(kind="hybrid" if lookup and block is not None else "tree",
+                config=info["config"] | {"tree_policy": asdict(policy)} | lookup_settings,
+                description=f"{shape}{'; ' + rule if rule else ''}; verified as a tree in one target pass")
+    return EvalDrafter(drafter, info)

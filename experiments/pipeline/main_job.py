@@ -156,6 +156,10 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
         args += ["--assistant", fill["assistant_dir"]]
     for name in _timed(cfg, blocks):
         args += ["--drafter", f"{name}={blocks[name]}"]
+    for name in spec.get("trees") or []:
+        args += ["--tree", f"{name}={blocks[name]}"]
+    if spec.get("trees") and spec.get("tree_vocab_size"):
+        args += ["--tree-vocab-size", str(spec.tree_vocab_size)]
     if not out.is_file():  # a resumed job keeps the K it chose
         stage("choose K", "experiments.pipeline.choose_k", args, log)
     chosen = json.loads(out.read_text())
@@ -166,7 +170,28 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
             [f"drafter.draft_vocab_size={vocab}", f"drafter.draft_vocab_from={vocab_from}"] if vocab else [])]
     if "chosen_layout" in chosen:
         overrides[LAYOUT] = [f"weight_layout={chosen['chosen_layout']}"]
+    for name, c in chosen.get("tree", {}).items():
+        for kind, setting in c["chosen"].items():
+            picked = c["by_setting"][setting]
+            keys = ("budget",) if kind == "tree" else ("budget", "lookup_min_match", "lookup_depth")
+            overrides[f"{kind}:{name}"] = [f"drafter.{key}={picked[key]}" for key in keys]
     return overrides
+
+
+def tree_rows(cfg: DictConfig, blocks: dict[str, Path], chosen: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``trees``: each report row's evaluation arguments: its ``drafter`` choice (``tree`` or ``hybrid``), the block
+    drafter it drafts with (``of``), the settings chosen held out for ``settings_of`` (default ``of``; so two drafters
+    can be compared at the same N), the trees' candidate vocabulary, and ``tree_overrides``."""
+    rows, spec = {}, cfg.get("choose_k") or {}
+    for name, row in (cfg.get("trees") or {}).items():
+        if row.of not in blocks:
+            raise ValueError(f"trees.{name}.of={row.of} is none of this job's block drafters {sorted(blocks)}")
+        vocab = ([f"drafter.draft_vocab_size={spec.tree_vocab_size}", f"drafter.draft_vocab_from={spec.draft_vocab_from}"]
+                 if spec.get("tree_vocab_size") else [])
+        settings = chosen.get(f"{row.drafter}:{row.get('settings_of') or row.of}", [])
+        rows[name] = [f"drafter={row.drafter}", f"drafter.path={blocks[row.of]}", f"drafter.name={name}", *vocab,
+                      *settings, *cfg.get("tree_overrides", [])]
+    return rows
 
 
 def _timed(cfg: DictConfig, names) -> list[str]:
@@ -262,6 +287,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     chosen = _choose_k(cfg, run_dir, fill, blocks, log)
     for name, path in shipped.items():
         drafters[name] = [f"drafter.path={path}", f"drafter.name={name}", *cfg.shipped_overrides]
+    drafters |= tree_rows(cfg, blocks, chosen)
     for baseline in cfg.baselines:
         extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
         drafters[baseline] = [f"drafter={baseline}", *extra, *chosen.get(baseline, [])]
