@@ -224,7 +224,8 @@ def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, card: str | No
     save_file(dflash_state_dict(drafter, dtype), str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.md").write_text(card if card is not None else model_card(drafter, out_dir))
-    write_record(out_dir, dflash_settings(drafter.config), [WEIGHTS_NAME])
+    # config.json's settings, not its bytes: its serving choices (max_position_embeddings, dtype) are the user's
+    write_record(out_dir, dflash_settings(drafter.config), [WEIGHTS_NAME], covered=())
     return out_dir
 
 

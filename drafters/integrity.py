@@ -4,6 +4,7 @@ Saving a drafter (:meth:`drafters.model.DFlashDrafter.save_pretrained`) and expo
 (:func:`drafters.dflash.export_dflash`) write :data:`RECORD_NAME` next to ``config.json``::
 
     {"weights_sha256": {"model.safetensors": "<sha256 of the file>", ...},
+     "files_sha256": {"config.json": "<sha256>", "card.json": "<sha256>"},
      "settings": {<the config.json fields that define the drafter, as it was trained>}}
 
 (a sidecar file: servers such as vLLM read ``config.json`` and ``model.safetensors`` only). Loading
@@ -15,6 +16,11 @@ it read, in the record's spelling:
 * a setting that differs from the recorded one (``block_size`` edited from 4 to 8 in ``config.json``) is
   refused, naming the file, the key and both values, unless :data:`OVERRIDE` is given: then it is used with a
   warning, and :func:`edited_settings` says what was edited for the evaluation's results;
+* every byte of ``config.json`` and of a shipped drafter's ``card.json`` is recorded too (``files_sha256``: the
+  files of :data:`COVERED` present when the record is written, and those added by :func:`record_files`, e.g. a card
+  written when the drafter is shipped): a file that changed otherwise than in its settings (a key blockdraft does
+  not read, a card's τ) is refused, naming it and both hashes (``config.json``: unless :data:`OVERRIDE`). Records
+  written before ``files_sha256`` existed check the weights and settings only;
 * a drafter saved before blockdraft wrote records (or by another tool) loads with a one-line warning, unless it is
   shipped (under :data:`SHIPPED_DIR`, ``experiments/assets``): a shipped drafter without its record is refused;
 * the autoregressive assistants (Hugging Face folders) carry a record too (:func:`write_assistant_record`: their
@@ -41,6 +47,8 @@ from drafters.storage import DamagedFileError, read_json, sha256_file, write_jso
 RECORD_NAME = "blockdraft_record.json"
 #: where the drafters and assistants shipped with blockdraft live: one without its record is refused, not warned about
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "experiments" / "assets"
+#: the files besides the weights whose every byte a drafter's record covers, where present when it is written
+COVERED = ("config.json", "card.json")
 #: config.json keys of a Hugging Face folder that are not settings of the model (the writing library's version)
 HF_UNRECORDED = ("transformers_version",)
 OVERRIDE = "drafter.allow_edited_settings=true"  # the one setting that accepts edited settings
@@ -68,9 +76,11 @@ def check_finite_weights(tensors: Mapping[str, torch.Tensor], where: str | Path)
             "an earlier checkpoint")
 
 
-def write_record(directory: str | Path, settings: Mapping[str, Any], files: Sequence[str]) -> None:
+def write_record(directory: str | Path, settings: Mapping[str, Any], files: Sequence[str],
+                 covered: Sequence[str] = COVERED) -> None:
     """Write :data:`RECORD_NAME` in ``directory``: the sha256 of each of ``files`` (names in it, written
-    already) and ``settings`` (JSON values). A file whose weights are not all finite is refused
+    already), of each of ``covered`` that is there (:data:`COVERED`: config.json, card.json) and ``settings`` (JSON
+    values). A file whose weights are not all finite is refused
     (:class:`NonFiniteWeightsError`), and a record already in ``directory`` is removed: the folder then holds no
     drafter that loads."""
     directory = Path(directory)
@@ -82,7 +92,20 @@ def write_record(directory: str | Path, settings: Mapping[str, Any], files: Sequ
             raise
     write_json_atomic(directory / RECORD_NAME, {
         "weights_sha256": {name: sha256_file(directory / name) for name in sorted(files)},
+        "files_sha256": {name: sha256_file(directory / name) for name in covered if (directory / name).is_file()},
         "settings": _plain(settings)})
+
+
+def record_files(directory: str | Path, names: Sequence[str]) -> None:
+    """Add the sha256 of ``names`` (files of ``directory`` written after its record, e.g. a shipped drafter's
+    ``card.json``) to the record in ``directory`` (``files_sha256``); a folder without a record is refused."""
+    directory = Path(directory)
+    record = read_record(directory)
+    if record is None:
+        raise FileNotFoundError(f"{directory} has no {RECORD_NAME} to add {list(names)} to; save the drafter first")
+    record["files_sha256"] = {**record.get("files_sha256", {}),
+                              **{name: sha256_file(directory / name) for name in names}}
+    write_json_atomic(directory / RECORD_NAME, record)
 
 
 def read_record(directory: str | Path) -> dict | None:
@@ -162,6 +185,7 @@ def check_saved_record(directory: str | Path, config_name: str, settings: Mappin
         return
     _check_weights(directory, record)
     edits = _edits(record, settings)
+    _check_files(directory, record, config_name, bool(edits), allow_edited_settings)
     if not edits:
         return
     shown = "; ".join(f"{k} is {_show(v['found'])}, recorded {_show(v['recorded'])}" for k, v in edits.items())
@@ -173,6 +197,23 @@ def check_saved_record(directory: str | Path, config_name: str, settings: Mappin
                               f"or set {OVERRIDE} to use the edited ones")
 
 
+def _check_files(directory: Path, record: Mapping[str, Any], config_name: str, edited: bool, allow: bool) -> None:
+    """Refuse a file of the record's ``files_sha256`` whose bytes changed, naming it and both hashes; ``config_name``
+    with ``edited`` settings is left to the settings' check, and with ``allow`` (:data:`OVERRIDE`) only warned about."""
+    for name, recorded in (record.get("files_sha256") or {}).items():
+        path = directory / name
+        found = sha256_file(path) if path.is_file() else ABSENT
+        if found == recorded or (name == config_name and edited):
+            continue
+        what = (f"{path} has sha256 {found} but {directory / RECORD_NAME} records {recorded}: the file changed after "
+                "the drafter was saved")
+        if name == config_name and allow:
+            warnings.warn(f"{what}; used anyway ({OVERRIDE})", stacklevel=4)
+            continue
+        fix = f", or set {OVERRIDE} to use it as it is" if name == config_name else ""
+        raise ChangedDrafterError(f"{what} (its record covers every byte of it); restore the recorded file{fix}")
+
+
 def _hf_settings(directory: Path) -> dict:
     config = read_json(directory / "config.json", "model config")
     return {k: v for k, v in config.items() if k not in HF_UNRECORDED}
@@ -182,7 +223,8 @@ def write_assistant_record(directory: str | Path) -> None:
     """Write the record of the Hugging Face model (an assistant) saved in ``directory``: the sha256 of its
     ``*.safetensors`` files and its ``config.json`` settings (all its keys but :data:`HF_UNRECORDED`)."""
     directory = Path(directory)
-    write_record(directory, _hf_settings(directory), [p.name for p in sorted(directory.glob("*.safetensors"))])
+    write_record(directory, _hf_settings(directory), [p.name for p in sorted(directory.glob("*.safetensors"))],
+                 covered=())  # config.json's settings, not its bytes: transformers_version changes with the library
 
 
 def check_assistant_record(directory: str | Path, allow_edited_settings: bool = False) -> None:
@@ -191,6 +233,6 @@ def check_assistant_record(directory: str | Path, allow_edited_settings: bool = 
     check_saved_record(directory, "config.json", _hf_settings(directory), allow_edited_settings)
 
 
-__all__ = ["ABSENT", "OVERRIDE", "RECORD_NAME", "SHIPPED_DIR", "ChangedDrafterError", "NonFiniteWeightsError",
+__all__ = ["ABSENT", "COVERED", "OVERRIDE", "RECORD_NAME", "SHIPPED_DIR", "ChangedDrafterError", "NonFiniteWeightsError",
            "check_assistant_record", "check_finite_weights", "check_saved_record", "edited_settings", "read_record",
-           "write_assistant_record", "write_record"]
+           "record_files", "write_assistant_record", "write_record"]

@@ -477,6 +477,9 @@ def test_new_drafters_have_qk_norm_and_old_configs_load_without(tmp_path):
     for key in ("qk_norm", "attention_bias"):  # a config.json written before these fields existed
         del config[key]
     (tmp_path / "config.json").write_text(json.dumps(config))
+    record = json.loads((tmp_path / "blockdraft_record.json").read_text())
+    del record["files_sha256"]  # nor did records then cover config.json's bytes
+    (tmp_path / "blockdraft_record.json").write_text(json.dumps(record))
     loaded = factory.load(tmp_path, target)
     assert loaded.config == old.config and not loaded.config.qk_norm
     assert DrafterConfig.from_dict(new.config.to_dict()) == new.config

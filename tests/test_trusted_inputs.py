@@ -361,3 +361,27 @@ def test_the_shipped_assistants_carry_a_record_that_is_checked(tmp_path):
     save_file({k: v.clone() + (i == 0) for i, (k, v) in enumerate(weights.items())}, str(copy / "model.safetensors"))
     with pytest.raises(ChangedDrafterError, match=r"model.safetensors have sha256 .* but .* records"):
         check_assistant_record(copy)
+
+
+def test_a_drafters_record_covers_every_byte_of_its_config_and_card(tmp_path):
+    from drafters.integrity import OVERRIDE, ChangedDrafterError, read_record, record_files
+
+    target = _target()
+    folder = tmp_path / "drafter"
+    factory.from_target(target, block_size=4).save_pretrained(folder)
+    assert set(read_record(folder)["files_sha256"]) == {"config.json"}
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(json.dumps(json.loads(config)))  # the same settings, other bytes
+    with pytest.raises(ChangedDrafterError, match=rf"^{re.escape(str(folder / 'config.json'))} has sha256 \w+ but .* "
+                                                  r"records \w+: the file changed .*every byte.*" + re.escape(OVERRIDE)):
+        factory.load(folder, target)
+    with pytest.warns(UserWarning, match="config.json has sha256"):
+        factory.load(folder, target, allow_edited_settings=True)
+    (folder / "config.json").write_text(config)
+    (folder / "card.json").write_text(json.dumps({"tau": {"T=0": {"humaneval": 1.5}}}))
+    record_files(folder, ["card.json"])  # a shipped drafter's card (pipeline.ship)
+    factory.load(folder, target)
+    (folder / "card.json").write_text(json.dumps({"tau": {"T=0": {"humaneval": 2.5}}}))  # a better τ, typed in
+    with pytest.raises(ChangedDrafterError, match=rf"^{re.escape(str(folder / 'card.json'))} has sha256 .*restore "
+                                                  r"the recorded file$"):
+        factory.load(folder, target, allow_edited_settings=True)  # no setting lets an edited card through

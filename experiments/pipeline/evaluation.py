@@ -3,8 +3,9 @@
 The drafter is a config group (``conf/eval/drafter/``, searched by this entry point only), built by
 :mod:`experiments.pipeline.eval_drafters`: ``drafter=block`` (the default: a trained block drafter,
 ``drafter.path=<run dir>/drafter``), ``drafter=prompt_lookup`` (n-gram lookup, no model) or
-``drafter=ar_assistant`` (a small causal LM, ``drafter.path=<HF model dir>``, default the shipped
-``experiments/assets/ar_assistant``). The baselines draft K = 15 tokens (``drafter.num_draft_tokens``).
+``drafter=ar_assistant`` (a small causal LM, ``drafter.path=<HF model dir>``, default the one shipped for the
+target: ``experiments/assets/ar_assistant`` for tiny, ``ar_assistant_smollm2`` for smollm2). The baselines draft
+K = 15 tokens (``drafter.num_draft_tokens``).
 
 For every suite (``suite``, default all three of docs/method.md §5) and temperature (``temperatures``,
 default 0 and 1) the target decodes every prompt speculatively with the drafter

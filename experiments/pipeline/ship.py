@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters.integrity import check_assistant_record, read_record, write_assistant_record
+from drafters.integrity import check_assistant_record, read_record, record_files, write_assistant_record
 from drafters.storage import file_digest
 from experiments.pipeline.export import LOSS_KEYS, tau_table, trained_settings
 from experiments.pipeline.paths import portable_override
@@ -178,6 +178,7 @@ def ship_drafter(drafter_dir: str | Path, results: str | Path, out: str | Path, 
         shutil.copy2(path, out / path.name)
     (out / CARD).write_text(json.dumps(card, indent=1) + "\n")
     (out / "README.md").write_text(render(card))
+    record_files(out, [CARD])  # the drafter's record covers every byte of its card too
     return out
 
 
