@@ -1,6 +1,6 @@
 """The long job: ``python -m experiments.long`` (issue 50's data, curves and long-trained drafters; hours, resumable).
 
-Settings: ``conf/long.yaml``; the work: :class:`experiments.pipeline.long_job.LongJob`.
+Settings: ``conf/long.yaml``; the work: :class:`experiments.jobs.long_job.LongJob`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from experiments.pipeline.long_job import run_long_job
+from experiments.jobs.long_job import run_long_job
 from experiments.pipeline.run_folder import job
 
 

@@ -4,7 +4,7 @@ Installs the recorded answers, trains the short-budget drafters (one per loss in
 the long-trained drafters shipped in ``experiments/assets`` and the baselines, and writes the report; every stage
 runs as its own entry point (settings: ``conf/main_sharegpt.yaml`` over ``conf/main.yaml``; ``--config-name main``
 runs the earlier job on 738 answers without the shipped drafters; the work:
-:func:`experiments.pipeline.main_job.run_main_job`).
+:func:`experiments.jobs.main_job.run_main_job`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from experiments.pipeline.main_job import run_main_job
+from experiments.jobs.main_job import run_main_job
 from experiments.pipeline.run_folder import job
 
 

@@ -11,9 +11,10 @@ from drafters import DraftingPolicy, PolicyDrafter, factory
 from drafters.policy import confident_width
 from experiments.bench.profiling import Variant, profile_decode, summarize_steps
 from verify import AssistantDrafter, speculative_generate, target_generate, verify_greedy
-from verify.generate import _is_plain_head, _verify_greedy_lazy
+from verify.generate import _is_plain_head
 from verify.hf import new_growing_kv_cache
 from verify.kv_cache import GrowingLayer
+from verify.target_pass import verify_greedy_lazy
 
 
 def hf_greedy(target, ids, mask, max_new_tokens, eos_token_id=None):
@@ -78,7 +79,7 @@ def test_lazy_greedy_verification_equals_verify_greedy(width, first):
     drafts = torch.where(follow, greedy[:, :width], torch.randint(0, vocab, (batch, width), generator=generator))
     with torch.no_grad():
         expected = verify_greedy(drafts, head(final))
-        got = _verify_greedy_lazy(drafts, final, head, first)
+        got = verify_greedy_lazy(drafts, final, head, first)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     if width:
         assert 0 < expected[0].float().mean() < width

@@ -38,8 +38,13 @@ def entry_points(root: Path = EXPERIMENTS) -> dict[str, Path]:
 def imported_modules(path: Path, package: str) -> set[str]:
     """Every module ``path`` imports (``from a import b`` counts as ``a`` and ``a.b``; relative imports
     resolved against ``package``), wherever the import statement stands."""
+    return tree_imports(ast.parse(path.read_text()), package)
+
+
+def tree_imports(tree: ast.AST, package: str) -> set[str]:
+    """:func:`imported_modules` of a parsed module."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -153,3 +158,81 @@ def test_committed_reports_hold_no_machine_paths(path):
     text = (ROOT / path).read_text()
     hits = [m.group(0) for m in MACHINE_PATH.finditer(text)] + [str(ROOT)] * text.count(str(ROOT) + "/")
     assert hits == [], f"{path}: paths of the machine that wrote it ({len(hits)}), e.g. {hits[:3]}"
+
+
+# The floors of the code, lowest first: a module imports only from its own floor or below (DESIGN.md §7).
+# ``experiments/__init__`` registers the config resolvers every entry point needs: it stands with the entry points.
+FLOORS = {"verify": 0, "losses": 0, "drafters": 1, "conf": 1, "experiments.data": 2, "experiments.pipeline": 3,
+          "experiments.serving": 4, "experiments.reporting": 4, "experiments.jobs": 5, "experiments.bench": 5}
+
+
+def module_floors(root: Path = ROOT) -> dict[str, tuple[int, Path]]:
+    """Dotted module name -> (floor, file) for every module of the packages (entry points: the top floor)."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((root / package.name).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            prefix = next((p for p in sorted(FLOORS, key=len, reverse=True) if name == p or name.startswith(p + ".")),
+                          None)
+            out[name] = (FLOORS[prefix] if prefix else 6, path)
+    return out
+
+
+def runtime_imports(path: Path, package: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports when it runs (imports under ``if TYPE_CHECKING:`` left out;
+    ``from a import b`` imports the module a.b where there is one, else a's ``__init__``)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = [ast.Pass()]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = next(iter(tree_imports(ast.Module(body=[ast.ImportFrom(node.module, [], node.level)],
+                                                     type_ignores=[]), package)))
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+    return out & known
+
+
+def import_problems(root: Path = ROOT) -> list[str]:
+    """``"a -> b"`` for each import up a floor, and each circle of modules importing each other when they run."""
+    floors = module_floors(root)
+    graph = {name: runtime_imports(path, name if path.name == "__init__.py" else name.rsplit(".", 1)[0], set(floors))
+             - {name} for name, (_, path) in floors.items()}
+    problems = [f"{a} -> {b} (floor {floors[a][0]} imports floor {floors[b][0]})"
+                for a, targets in sorted(graph.items()) for b in sorted(targets) if floors[b][0] > floors[a][0]]
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                problems.append("circle: " + " -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state and floors[name][0] < 6:
+            visit(name, [name])
+    return problems
+
+
+def test_imports_run_one_way_and_never_in_a_circle():
+    assert import_problems() == []
+
+
+def test_the_import_check_sees_an_arrow_up_and_a_circle(tmp_path):
+    for package, text in (("verify", "import drafters.a\n"), ("drafters", "import drafters.b\n")):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / "a.py").write_text(text)
+    (tmp_path / "drafters" / "b.py").write_text("from drafters import a\n")
+    for name in ("losses", "experiments"):
+        (tmp_path / name).mkdir()
+    problems = import_problems(tmp_path)
+    assert "verify.a -> drafters.a (floor 0 imports floor 1)" in problems
+    assert any(p.startswith("circle: drafters.a -> drafters.b -> drafters.a") for p in problems), problems

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from experiments.pipeline import long_job
+from experiments.jobs import long_job
 from experiments.reporting import data_scale
 
 HELD_OUT = {"1": 1.50, "2": 1.62, "4": 1.55}  # val/tau_greedy of l2r_all per gamma (fake)

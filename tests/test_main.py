@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import fake_vllm_env
 from hydra import compose, initialize_config_module
 
-from experiments.pipeline import main_job
+from experiments.jobs import main_job
 
 
 def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:

@@ -16,9 +16,9 @@ from experiments import regenerate
 from experiments.data import corpora, sharegpt
 from experiments.data.decontamination import drop_overlapping
 from experiments.data.suites import Prompt
-from experiments.pipeline import engine_agreement, regen_backends, vllm_backend
+from experiments.pipeline import engine_agreement, regen_backends
 from experiments.pipeline import recorded_answers as ra
-from experiments.serving import engine
+from experiments.serving import engine, vllm_backend
 
 CONVERSATIONS = [
     {"id": "a1", "conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi!"},

@@ -156,8 +156,8 @@ def test_the_lazy_verifier_applies_a_packed_head_to_every_position_at_once(monke
     import verify.generate as gen
 
     target, drafter, ids, mask = _target_drafter_prompts()
-    seen, real = [], gen._verify_greedy_lazy
-    monkeypatch.setattr(gen, "_verify_greedy_lazy",
+    seen, real = [], gen.verify_greedy_lazy
+    monkeypatch.setattr(gen, "verify_greedy_lazy",
                         lambda drafts, final, head, first: seen.append((drafts.shape[1], first)) or real(drafts, final, head, first))
     plain = gen.speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=2)
     assert any(first < width + 1 for width, first in seen)  # lazy: the first positions only

@@ -35,6 +35,7 @@ from verify.target_pass import (
     keep_columns,
     prefill,
     reads_head_once,
+    verify_greedy_lazy,
 )
 from verify.tree import DraftTree, TreeDrafter, ancestor_mask, check_tree, node_depths, walk_tree
 
@@ -82,43 +83,6 @@ class _Decoded:
     wall_time: float
     num_verified_slots: int = 0
     draft_sources: list[list[str]] = field(default_factory=list)  # per row per step, when the drafter labels
-
-
-def _verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, H) -> (B,), (B,)
-    """:func:`verify_greedy` with the LM head (its weight, :func:`verify.hf.linear_logits`) applied only where
-    the result can depend on it.
-
-    A row that kept n drafts needs the target's argmax at block positions 0..n only. The head runs
-    on positions [0, first) of every row, then, for the rows that accepted every draft so far, on
-    chunks twice as long (each chunk starting at the last position of the previous one), until no
-    row is still accepting. Each chunk is verified by :func:`verify_greedy`, so the result is the
-    one :func:`verify_greedy` gives on the full logits.
-    """
-    batch, width = drafts.shape
-
-    def logits(states):  # (b, L, H) -> (b, L, V)
-        return head_logits(head, states)
-
-    num_accepted = drafts.new_zeros(batch)
-    next_token = drafts.new_zeros(batch)
-    rows = None  # None = every row
-    start, size = 0, max(1, first)
-    while True:
-        end = min(start + size, width + 1)
-        if rows is None:
-            n, token = verify_greedy(drafts[:, start : end - 1], logits(final[:, start:end]))
-            num_accepted, next_token = n + start, token
-        else:
-            n, token = verify_greedy(drafts[rows, start : end - 1], logits(final[rows, start:end]))
-            num_accepted[rows], next_token[rows] = n + start, token
-        if end == width + 1:
-            break
-        still = n == end - 1 - start  # accepted every draft of the chunk: the next ones matter
-        if not bool(still.any()):
-            break
-        rows = (torch.arange(batch, device=drafts.device) if rows is None else rows)[still]
-        start, size = end - 1, 2 * size
-    return num_accepted, next_token
 
 
 def _draft(drafter, live: Live, num_drafts: int, temperature, top_k, top_p, generator):
@@ -170,7 +134,7 @@ def _verify(run: TargetPass, live: Live, drafts, q, slots, temperature, top_k, t
         logits = head_logits(run.head, final)  # (B, W + 1, V)
     if run.lazy and temperature == 0:
         first = width + 1 if reads_head_once(run.head) else min(width + 1, 2 + math.ceil(live.accepted_mean))
-        num_accepted, next_token = _verify_greedy_lazy(drafts, final, run.head, first)  # (B,), (B,)
+        num_accepted, next_token = verify_greedy_lazy(drafts, final, run.head, first)  # (B,), (B,)
     elif temperature == 0:  # same result as verify_block on one-hot p, without sampling
         num_accepted, next_token = verify_greedy(drafts, logits)  # (B,), (B,)
     else:

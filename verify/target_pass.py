@@ -14,6 +14,7 @@ import torch
 import verify.hf
 from verify.hf import cache_argument, max_positions, new_growing_kv_cache
 from verify.layout import OneDNNPackedLinear
+from verify.rejection import verify_greedy
 
 
 class NoClock:
@@ -59,6 +60,43 @@ def head_logits(head, states: torch.Tensor) -> torch.Tensor:  # (b, L, H) -> (b,
     flat = states.reshape(b * length, size).to(head.weight.dtype)
     logits = head(flat) if reads_head_once(head) else verify.hf.linear_logits(head.weight, flat)
     return logits.view(b, length, -1)
+
+
+def verify_greedy_lazy(drafts, final, head, first: int):  # (B, W), (B, W + 1, H) -> (B,), (B,)
+    """:func:`verify_greedy` with the LM head (its weight, :func:`verify.hf.linear_logits`) applied only where
+    the result can depend on it.
+
+    A row that kept n drafts needs the target's argmax at block positions 0..n only. The head runs
+    on positions [0, first) of every row, then, for the rows that accepted every draft so far, on
+    chunks twice as long (each chunk starting at the last position of the previous one), until no
+    row is still accepting. Each chunk is verified by :func:`verify_greedy`, so the result is the
+    one :func:`verify_greedy` gives on the full logits.
+    """
+    batch, width = drafts.shape
+
+    def logits(states):  # (b, L, H) -> (b, L, V)
+        return head_logits(head, states)
+
+    num_accepted = drafts.new_zeros(batch)
+    next_token = drafts.new_zeros(batch)
+    rows = None  # None = every row
+    start, size = 0, max(1, first)
+    while True:
+        end = min(start + size, width + 1)
+        if rows is None:
+            n, token = verify_greedy(drafts[:, start : end - 1], logits(final[:, start:end]))
+            num_accepted, next_token = n + start, token
+        else:
+            n, token = verify_greedy(drafts[rows, start : end - 1], logits(final[rows, start:end]))
+            num_accepted[rows], next_token[rows] = n + start, token
+        if end == width + 1:
+            break
+        still = n == end - 1 - start  # accepted every draft of the chunk: the next ones matter
+        if not bool(still.any()):
+            break
+        rows = (torch.arange(batch, device=drafts.device) if rows is None else rows)[still]
+        start, size = end - 1, 2 * size
+    return num_accepted, next_token
 
 
 class TargetPass:

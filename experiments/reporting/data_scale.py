@@ -1,7 +1,7 @@
 """What training data buys (issue 50): τ against the number of training answers at equal steps, and against the
 training steps on all of them; ``data_scale.json``, ``data_scale.png`` and ``data_scale.md``.
 
-The points come from a long job's run dir (:mod:`experiments.pipeline.long_job`, :func:`collect`):
+The points come from a long job's run dir (:mod:`experiments.jobs.long_job`, :func:`collect`):
 
 * ``answers``: each curve run ``curve/<loss>-rows<N|all>[-gamma<g>]`` (for ``l2r_all`` the γ of ``gamma.json``):
   its training answers (``train_summary.json``'s ``train_rows``), the suites' mean τ at T=0 (its evaluation) and

@@ -6,7 +6,7 @@ versions), then serves requests until ``<inbox>/stop`` appears: for each ``<inbo
 (``{"prompts": [[ids]], "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}``) it
 generates every prompt in one ``LLM.generate`` call and writes ``<inbox>/answer_<n>.json``
 (``{"outputs": [[ids]], "finish_reasons": [...], "wall_s"}``, renamed into place when complete). The driver
-is :class:`experiments.pipeline.vllm_backend.VLLMBackend`. Imports vLLM and the standard library only:
+is :class:`experiments.serving.vllm_backend.VLLMBackend`. Imports vLLM and the standard library only:
 job, requests and answers as JSON are the whole interface between the two environments.
 """
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.pipeline.main_job import portable_summary, stage
+from experiments.jobs.main_job import portable_summary, stage
 from experiments.pipeline.records import git_commit
 from experiments.pipeline.ship import ship_assistant, ship_drafter
 from experiments.reporting import data_scale
