@@ -53,6 +53,7 @@ from experiments.pipeline.timing import prefill
 from verify.hf import cache_argument, new_growing_kv_cache
 from verify.layout import LAYOUTS, set_weight_layout
 from verify.lookup import PromptLookupDrafter
+from verify.tree import ancestor_mask, node_depths, pad_trees
 
 
 def held_out_rows(data_dir: str, fraction: float, limit: int) -> list[tuple[list[int], int]]:
@@ -101,18 +102,32 @@ def draft_ms(target, drafters: dict, rounds: int, context: int = 200) -> dict:
 
 
 @torch.no_grad()
-def forward_ms(model, widths: list[int], rounds: int, context: int = 200) -> dict[int, float]:
-    """Median ms of one forward over w new columns after a ``context``-column cache, batch 1, per width."""
-    ids = torch.randint(3, model.config.vocab_size, (1, context + max(widths)), generator=torch.Generator().manual_seed(0))
+def forward_ms(model, widths: list[int], rounds: int, context: int = 200, trees: bool = False) -> dict[int, float]:
+    """Median ms of one forward over w new columns after a ``context``-column cache, batch 1, per width. ``trees``:
+    the columns are a tree's (a random tree of w - 1 nodes under the anchor, the ancestor-only mask of
+    :mod:`verify.tree` passed as a 4-D mask, as the decoding loop does), else a chain's (the model's causal mask)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (1, context + max(widths)), generator=generator)
+    masks = {w: _tree_mask_4d(w - 1, context, model.get_input_embeddings().weight.dtype, generator) if trees else {}
+             for w in widths}
     times: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(rounds):
         for w in widths:
             cache = new_growing_kv_cache(model, context + w)
             model(input_ids=ids[:, :context], use_cache=True, **{cache_argument(model): cache})
             t = time.perf_counter()
-            model(input_ids=ids[:, context:context + w], use_cache=True, **{cache_argument(model): cache})
+            model(input_ids=ids[:, context:context + w], use_cache=True, **masks[w], **{cache_argument(model): cache})
             times[w].append(1000 * (time.perf_counter() - t))
     return {w: statistics.median(v[1:] if len(v) > 1 else v) for w, v in times.items()}
+
+
+def _tree_mask_4d(nodes: int, context: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    """A random tree's ``attention_mask`` (1, 1, N + 1, C + N + 1) and ``position_ids`` after ``context`` columns."""
+    parents = [int(torch.randint(i + 1, (1,), generator=generator)) - 1 for i in range(nodes)]
+    tree = pad_trees([([3] * nodes, parents)])
+    seen = torch.cat([torch.ones(1, nodes + 1, context, dtype=torch.bool), ancestor_mask(tree)], dim=2)
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[:, None]
+    return {"attention_mask": mask, "position_ids": context + node_depths(tree)}
 
 
 def choose(taus: dict[int, float], step_ms: dict[int, float], one_ms: float) -> dict:
@@ -225,8 +240,6 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
             replayed[name] = vocabs, block_taus(drafter, target, rows, ws, vocabs)
         blocks[name] = drafter, ws, *replayed[name]
     set_weight_layout(layout, target, assistant, *(block[0] for block in blocks.values()))
-    if args.tree:
-        widths = sorted({*widths, *(n + 1 for n in args.tree_budgets), max(args.ks) + 1})
     target_ms = forward_ms(target, widths, args.rounds)
     result = {"target_ms": target_ms,
               "prompt_lookup": choose(replayed["prompt_lookup"], {k: target_ms[k + 1] for k in args.ks}, target_ms[1])}
@@ -245,7 +258,10 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
         vocab = (candidate_vocab(target, args.tree_vocab_size, args.draft_vocab_from or args.data_dir, Path(path))
                  if args.tree_vocab_size else None)
         policies = tree_settings(args.tree_budgets, args.hybrid_matches, lookup_k)
-        result.setdefault("tree", {})[name] = choose_tree(drafter, target, rows, vocab, policies, target_ms,
+        if "tree_ms" not in result:  # the target over a tree's columns, with its mask: 1 .. N + K + 1 columns
+            top = max(args.tree_budgets) + max(args.ks) + 1
+            result["tree_ms"] = forward_ms(target, list(range(1, top + 1)), args.rounds, trees=True)
+        result.setdefault("tree", {})[name] = choose_tree(drafter, target, rows, vocab, policies, result["tree_ms"],
                                                           args.rounds)
     return result
 
