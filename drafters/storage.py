@@ -154,6 +154,31 @@ def check_seal(path: str | Path, what: str = "file") -> None:
                               "file was edited or truncated after it was written")
 
 
+def seal_entry(path: str | Path) -> dict:
+    """A large file's seal kept in a record (e.g. a feature cache's ``meta.json``): its sha256, and its size and
+    mtime when sealed, so that :func:`check_seal_entry` re-hashes it only when either changed."""
+    path = Path(path)
+    info = path.stat()
+    return {"sha256": sha256_checked(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def check_seal_entry(path: str | Path, entry: dict, what: str = "file") -> None:
+    """Refuse ``path`` unless it is the file ``entry`` (:func:`seal_entry`) sealed: a file of the recorded size and
+    mtime is taken as sealed without reading it (cheap for large caches); another is hashed, and one whose sha256
+    differs raises :class:`BrokenSealError` naming it and both hashes."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except OSError:
+        raise BrokenSealError(f"{what} {path} is missing but was sealed with sha256 {entry.get('sha256')}") from None
+    if info.st_size == entry.get("size") and info.st_mtime_ns == entry.get("mtime_ns"):
+        return
+    found = sha256_checked(path)
+    if found != entry.get("sha256"):
+        raise BrokenSealError(f"{what} {path} has sha256 {found} but was sealed with {entry.get('sha256')}: the file "
+                              "was edited or truncated after it was written")
+
+
 def write_sealed_json(path: str | Path, obj) -> None:
     """:func:`write_json_atomic`, then the file's seal (:func:`write_seal`); a stale seal is removed first, so a job
     killed in between leaves a file without a seal (refused when read), never a file with another's seal."""
@@ -200,6 +225,7 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["BrokenSealError", "DamagedFileError", "check_model_weights", "check_safetensors", "check_seal", "file_digest", "read_checkpoint",
-           "read_json", "read_sealed_json", "seal_path", "sha256_checked", "sha256_file", "write_json_atomic",
+__all__ = ["BrokenSealError", "DamagedFileError", "check_model_weights", "check_safetensors", "check_seal",
+           "check_seal_entry", "file_digest", "read_checkpoint", "read_json", "read_sealed_json", "seal_entry",
+           "seal_path", "sha256_checked", "sha256_file", "write_json_atomic",
            "write_seal", "write_sealed_json"]

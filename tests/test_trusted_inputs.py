@@ -385,3 +385,37 @@ def test_a_drafters_record_covers_every_byte_of_its_config_and_card(tmp_path):
     with pytest.raises(ChangedDrafterError, match=rf"^{re.escape(str(folder / 'card.json'))} has sha256 .*restore "
                                                   r"the recorded file$"):
         factory.load(folder, target, allow_edited_settings=True)  # no setting lets an edited card through
+
+
+def test_feature_parts_are_sealed_and_an_edited_part_is_named_and_computed_again(tmp_path, capsys):
+    import numpy as np
+
+    from drafters.training.features import FeatureStore, compute_features
+
+    target = _target()
+    rows = [list(range(3, 3 + n)) for n in (5, 9, 7, 6, 8)]
+    root = compute_features(target, rows, tmp_path / "f", target_layer_ids=[1, 2], dtype="float32",
+                            rows_per_part=2, progress=False)
+    meta = json.loads((root / "meta.json").read_text())
+    parts = sorted(p.name for p in root.glob("part-*.npy"))
+    assert sorted(meta["part_seals"]) == parts and len(parts) == 6  # 3 parts and their offsets
+    want = [FeatureStore(root)[i] for i in range(5)]
+    part = root / "part-00001.npy"
+    sealed = meta["part_seals"][part.name]["sha256"]
+    array = np.load(part)
+    array[0, 0] += 1.0  # one value edited, the file as long as before
+    np.save(part, array)
+    with pytest.raises(ValueError, match=rf"^feature part {re.escape(str(part))} has sha256 \w+ but was sealed with "
+                                         rf"{sealed}: the file was edited or truncated"):
+        FeatureStore(root)
+    others = {p: p.stat().st_mtime_ns for p in (root / "part-00000.npy", root / "part-00002.npy")}
+    compute_features(target, rows, root, target_layer_ids=[1, 2], dtype="float32", rows_per_part=2, progress=False)
+    assert f"[features] feature part {part} has sha256" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in others} == others  # only the edited part was computed again
+    store = FeatureStore(root)
+    assert all(torch.equal(store[i], want[i]) for i in range(5))
+    # a cache from before seals: sealed as it is, nothing computed again
+    (root / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "part_seals"}))
+    compute_features(target, rows, root, target_layer_ids=[1, 2], dtype="float32", rows_per_part=2, progress=False)
+    assert sorted(json.loads((root / "meta.json").read_text())["part_seals"]) == parts
+    assert {p: p.stat().st_mtime_ns for p in others} == others

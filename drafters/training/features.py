@@ -6,7 +6,8 @@ step, see ``experiments.bench.train``) runs once per regenerated sequence instea
 Layout, beside the regenerated data (``<data dir>/features/<key>/``, ``key`` names the layers, the
 dtype, the length limit and, for a bfloat16 pass, ``_bf16``)::
 
-    meta.json               layer ids, dtype, max_length, target fingerprint, rows, precision, "complete"
+    meta.json               layer ids, dtype, max_length, target fingerprint, rows, precision, "complete",
+                            part_seals: each file's sha256, size and mtime (an edited or cut part is named, redone)
     part-00000.npy          (tokens, L*H) the concatenated hidden states of rows [0, n0), flat
     part-00000.offsets.npy  (n0 + 1,) int64: row i of the part spans offsets[i]:offsets[i + 1]
     part-00001.npy ...
@@ -47,8 +48,10 @@ import torch
 from tqdm.auto import tqdm
 
 from drafters.config import accepts_argument
+from drafters.storage import BrokenSealError, check_seal_entry, seal_entry
 
 META = "meta.json"
+SEALS = "part_seals"  # meta.json's seals of the parts: {file name: {sha256, size, mtime_ns}} (drafters.storage)
 HEAD = "head"  # the layer id of the target's final state, the input of its LM head
 DTYPES = {"float16": np.float16, "float32": np.float32}
 PRECISIONS = ("float32", "bfloat16")  # the target's pass (module doc); the cache key names the second ``_bf16``
@@ -193,13 +196,25 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
                          "delete the folder or change data.features")
     spans = [(a, min(a + rows_per_part, len(input_ids))) for a in range(0, len(input_ids), rows_per_part)]
     todo = [i for i, (a, b) in enumerate(spans) if _whole_rows(_part(root, i)) != b - a]
+    seals = dict(old.get(SEALS) or {})
+    for i in range(len(spans)):
+        broken = None if i in todo else _broken_seal(_part(root, i), seals)
+        if broken:
+            print(f"[features] {broken}: computing its rows again", flush=True)
+            todo.append(i)
+    unsealed = [i for i in range(len(spans)) if i not in todo and not _sealed(_part(root, i), seals)]
     if old.get("complete") and not todo:
+        if unsealed:  # a cache from before seals, whole: sealed as it is now
+            meta_now = {**old, SEALS: {**seals, **_seal(root, unsealed)}}
+            (root / META).write_text(json.dumps(meta_now, indent=1) + "\n")
         return root
     for i in todo:
         if _part(root, i).exists() or _part(root, i).with_suffix(".offsets.npy").exists():
             print(f"[features] {_part(root, i)} is damaged: computing its rows again", flush=True)
     meta["precision"] = precision
-    (root / META).write_text(json.dumps({**meta, "complete": False}, indent=1) + "\n")
+    redone = {path.name for i in todo for path in _files(_part(root, i))}
+    seals = {name: entry for name, entry in seals.items() if name not in redone}  # kept through a killed run
+    (root / META).write_text(json.dumps({**meta, "complete": False, SEALS: seals}, indent=1) + "\n")
     device = next(target.parameters()).device
     rows = [list(r[:max_length] if max_length else r) for r in input_ids]
     bar = tqdm(total=len(rows), initial=len(rows) - sum(spans[i][1] - spans[i][0] for i in todo),
@@ -212,8 +227,34 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
         _save_atomic(part.with_suffix(".offsets.npy"), offsets)  # offsets first: a part implies them
         _save_atomic(part, torch.cat(feats).numpy().astype(DTYPES[dtype]))
     bar.close()
-    (root / META).write_text(json.dumps({**meta, "complete": True}, indent=1) + "\n")
+    seals = {**seals, **_seal(root, sorted(set(todo) | set(unsealed)))}
+    (root / META).write_text(json.dumps({**meta, "complete": True, SEALS: seals}, indent=1) + "\n")
     return root
+
+
+def _files(part: Path) -> tuple[Path, Path]:
+    return part, part.with_suffix(".offsets.npy")
+
+
+def _seal(root: Path, indices: Sequence[int]) -> dict:
+    """The seals (:func:`drafters.storage.seal_entry`) of parts ``indices`` and their offsets, by file name."""
+    return {path.name: seal_entry(path) for i in indices for path in _files(_part(root, i))}
+
+
+def _sealed(part: Path, seals: dict) -> bool:
+    return all(path.name in seals for path in _files(part))
+
+
+def _broken_seal(part: Path, seals: dict) -> str | None:
+    """Why a part (or its offsets) is not the file sealed in ``seals`` (both hashes named), or None (sealed as it is,
+    or not sealed at all)."""
+    for path in _files(part):
+        if path.name in seals:
+            try:
+                check_seal_entry(path, seals[path.name], "feature part")
+            except BrokenSealError as e:
+                return str(e)
+    return None
 
 
 def read_features_meta(root: str | Path) -> dict:
@@ -245,6 +286,9 @@ class FeatureStore:
             if array.shape[0] != offsets[-1]:
                 raise ValueError(f"feature part {part} holds {array.shape[0]} tokens, its offsets say "
                                  f"{offsets[-1]}: the file is damaged; {REDO}")
+            broken = _broken_seal(part, self.meta.get(SEALS) or {})  # what the structure cannot show: other values
+            if broken:
+                raise ValueError(f"{broken}; {REDO}")
             self._arrays.append(array)
             self._offsets.append(offsets)
             self._first.append(self._first[-1] + len(offsets) - 1)
