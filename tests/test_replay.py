@@ -170,3 +170,6 @@ def test_tree_and_hybrid_rows_are_built_from_a_saved_drafter(setup, tmp_path, mo
     assert tree.info["kind"] == "tree" and tree.drafter.lookup is None
     with pytest.raises(ValueError, match="needs a drafter"):
         tree_drafter(target, None, lookup=False)
+    target.save_pretrained(tmp_path / "causal_lm")  # an autoregressive model cannot draft trees
+    with pytest.raises(ValueError, match="drafts one chain token by token; drafter=tree and drafter=hybrid need a"):
+        tree_drafter(target, str(tmp_path / "causal_lm"), lookup=True)

@@ -291,6 +291,7 @@ def tree_drafter(target, path: str | None = None, name: str | None = None, looku
                         lookup_depth=lookup_depth, lookup_paths=lookup_paths, merge=merge)
     block = None
     if path is not None:
+        _refuse_causal_lm(path)
         block = block_drafter(target, path, name, draft_vocab_size=draft_vocab_size, draft_vocab_from=draft_vocab_from,
                               allow_other_target=allow_other_target, allow_edited_settings=allow_edited_settings)
     finder = PromptLookupDrafter(output_vocab_size(target), lookup_depth, max_ngram, min_ngram) if lookup else None
@@ -309,3 +310,13 @@ def tree_drafter(target, path: str | None = None, name: str | None = None, looku
                 config=info["config"] | {"tree_policy": asdict(policy)} | lookup_settings,
                 description=f"{shape}{'; ' + rule if rule else ''}; verified as a tree in one target pass")
     return EvalDrafter(drafter, info)
+
+
+def _refuse_causal_lm(path: str) -> None:
+    """A tree or hybrid drafts from a block drafter's slot distributions: refuse an autoregressive LM's folder."""
+    config = Path(str(path)).expanduser() / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    if any(str(a).endswith("ForCausalLM") for a in architectures):
+        raise ValueError(f"drafter.path={path} holds a {architectures[0]}, which drafts one chain token by token; "
+                         "drafter=tree and drafter=hybrid need a trained block drafter (its slot distributions give "
+                         "the tree): use drafter=ar_assistant for this one")
