@@ -90,3 +90,22 @@ def test_verify_bench_compares_with_assisted_generation_at_each_batch_size(tmp_p
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert set(results["batch"]) == {"1", "2"} and results["new_tokens"] == 12
     assert results["identical_to_hf_assisted"] == 2  # greedy: the same tokens as transformers' assisted generation
+
+
+def test_precision_bench_interleaves_float32_and_bfloat16(tmp_path):
+    """Every round times both precisions (and the AdamW variants asked for); medians of the rounds, a profile of the
+    bfloat16 step and the CPU's flags in the record. bfloat16 runs anywhere (emulated without the instructions)."""
+    from experiments.bench import precision
+
+    out = tmp_path / "bench_precision_bf16.json"
+    report = precision.main(["--target", "experiments/assets/tiny_target", "--batch-size", "2", "--seq-len", "24",
+                             "--prompt-len", "8", "--num-anchors", "2", "--block-size", "4", "--train-vocab-size", "64",
+                             "--train-vocab-negatives", "16", "--rounds", "3", "--steps", "1", "--feature-reps", "1",
+                             "--profile-steps", "1", "--optimizers", "fused", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report["results"]) == {"float32", "bfloat16", "bfloat16+fused"}
+    for name, r in report["results"].items():
+        assert len(r["rounds"]["blocks_per_s"]) == 3 and r["blocks_per_s"] == round(sorted(r["rounds"]["blocks_per_s"])[1], 4)
+        assert r["matmul_gflops"] > 0 and ("feature_pass_tokens_per_s" in r) == (name != "bfloat16+fused")
+    assert set(report["bf16_over_fp32"]) == {"matmul_gflops", "blocks_per_s", "feature_pass_tokens_per_s"}
+    assert report["profile_bf16_step"] and report["machine"]["cpu"] and "bf16_flags" in report["machine"]

@@ -28,8 +28,8 @@ soft-label loss gets the target's distributions at the drafted slots without run
 Precision and storage. The target's pass runs in ``precision``: ``float32``, or ``bfloat16`` (autocast: the
 target's matmuls in bfloat16, its weights, norms and residual sums in float32), which training chooses where it
 trains under bfloat16 autocast (``experiments.pipeline.training.feature_precision``: a CPU with bfloat16
-instructions), about twice the tokens/s there (docs/bench.md, "bfloat16"). Either way the features are stored in
-``dtype``, float16 by default: half the disk and page cache of float32, and 11 significant bits, more than the
+instructions), ~1.7x the tokens/s of float32 on a Zen 4 EPYC (docs/bench.md, ``precision``). Either way the
+features are stored in ``dtype``, float16 by default: half the disk and page cache of float32, and 11 significant bits, more than the
 8 of a bfloat16 matmul's output, so storing adds little to what the pass rounded (numpy has no bfloat16 to store
 them in as computed). They are read back as float32 (:class:`FeatureStore`); under bfloat16 autocast the drafter's
 context projection rounds them to bfloat16 again. ``meta.json`` records the precision; a cache computed in another
@@ -182,14 +182,7 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     root.mkdir(parents=True, exist_ok=True)
     meta = {"target_layer_ids": [_layer_id(i) for i in target_layer_ids], "dtype": dtype,
             "max_length": max_length, "target_fingerprint": fingerprint, "rows": len(input_ids)}
-    old = read_features_meta(root)
-    if old and old.get("precision", "float32") != precision:
-        print(f"[features] {root} was computed in {old.get('precision', 'float32')}, this run's feature pass is "
-              f"{precision}: computing every part again", flush=True)
-        for path in root.glob("part-*.npy"):
-            path.unlink()
-        (root / META).unlink()
-        old = {}
+    old = _same_precision_meta(root, precision)
     if old and {k: old.get(k) for k in meta} != meta:
         diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         raise ValueError(f"feature cache {root} was written with other settings {diff} (saved, now): "
@@ -230,6 +223,20 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     seals = {**seals, **_seal(root, sorted(set(todo) | set(unsealed)))}
     (root / META).write_text(json.dumps({**meta, "complete": True, SEALS: seals}, indent=1) + "\n")
     return root
+
+
+def _same_precision_meta(root: Path, precision: str) -> dict:
+    """The cache's meta.json; a cache computed in another precision (none recorded: float32) is named and deleted
+    (every part, and its meta: {}), so that it is computed again in full, never mixed with parts of this one."""
+    old = read_features_meta(root)
+    if old and old.get("precision", "float32") != precision:
+        print(f"[features] {root} was computed in {old.get('precision', 'float32')}, this run's feature pass is "
+              f"{precision}: computing every part again", flush=True)
+        for path in root.glob("part-*.npy"):
+            path.unlink()
+        (root / META).unlink()
+        return {}
+    return old
 
 
 def _files(part: Path) -> tuple[Path, Path]:

@@ -2,8 +2,9 @@
 docs/bench.md): ``draft_cost`` (one draft against the target's forwards), ``suite_steps`` (a suite's speculative
 steps, timed in their parts, and where their accepted drafts come from), ``interleave`` (evaluation settings A/B in
 one process; ``interleave_plot``: τ against speedup), ``verify`` (the verifier against transformers' assisted
-generation), ``train`` (training step throughput), ``losses`` (loss forward+backward cost), ``scale`` (costs at a
-real model's shape, random weights). :mod:`.profiling` is the step clock ``suite_steps`` reads; this module the
+generation), ``train`` (training step throughput), ``precision`` (float32 against bfloat16 autocast: matmul, training
+step, feature pass), ``losses`` (loss forward+backward cost), ``scale`` (costs at a real model's shape, random
+weights). :mod:`.profiling` is the step clock ``suite_steps`` reads; this module the
 helpers they share."""
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import resource
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from experiments.pipeline.settings import DecodingSettings
 
@@ -66,3 +69,29 @@ def with_defaults(overrides: Iterable[str], defaults: dict[str, str]) -> list[st
     out = list(overrides)
     out += [f"{k}={v}" for k, v in defaults.items() if not any(o.startswith(f"{k}=") for o in out)]
     return out
+
+
+def random_target(device: str):
+    """A random Llama shaped like the embedded tiny target (conf/target/tiny.yaml's recipe)."""
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device).eval().requires_grad_(False)
+
+
+def make_batch(batch_size: int, seq_len: int, prompt_len: int, vocab: int, device: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+            "prompt_len": torch.full((batch_size,), prompt_len, device=device),
+            "length": torch.full((batch_size,), seq_len, device=device)}
+
+
+def with_cached_features(batch: dict, target, layer_ids) -> dict:
+    """The batch plus ``features`` (B, S, L*H), as drafters.training.features caches them (float16 on disk)."""
+    with torch.no_grad():
+        out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
+    return {**batch, "features": feats.half().float()}

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import hydra.utils
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters import factory
 from drafters.tau import anchor_acceptance
@@ -45,7 +44,14 @@ from drafters.training.blocks import select_blocks
 from drafters.training.module import DrafterLightningModule
 from drafters.training.optim import warmup_cosine
 from drafters.training.vocab import TrainVocab
-from experiments.bench import loss_configs, peak_rss_mb, reset_peak_rss
+from experiments.bench import (
+    loss_configs,
+    make_batch,
+    peak_rss_mb,
+    random_target,
+    reset_peak_rss,
+    with_cached_features,
+)
 from experiments.data.target import TINY_TARGET_DIR, load_target
 from experiments.pipeline.paths import portable_value
 from experiments.pipeline.records import machine, matmul_gflops, median_seconds
@@ -53,32 +59,6 @@ from experiments.pipeline.records import machine, matmul_gflops, median_seconds
 LOSSES = ("uniform", "decay", "focal", "chain", "decay_focal", "l2r_all", "dpace", "soft_all")
 
 
-
-
-def random_target(device: str):
-    """A random Llama shaped like the embedded tiny target (conf/target/tiny.yaml's recipe)."""
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device).eval().requires_grad_(False)
-
-
-def make_batch(batch_size: int, seq_len: int, prompt_len: int, vocab: int, device: str, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
-            "prompt_len": torch.full((batch_size,), prompt_len, device=device),
-            "length": torch.full((batch_size,), seq_len, device=device)}
-
-
-def with_cached_features(batch: dict, target, layer_ids) -> dict:
-    """The batch plus ``features`` (B, S, L*H), as drafters.training.features caches them (float16 on disk)."""
-    with torch.no_grad():
-        out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
-    return {**batch, "features": feats.half().float()}
 
 
 def bench_loss(name: str, target, args, batch, cached: bool, num_anchors: int) -> dict:
