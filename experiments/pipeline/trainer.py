@@ -19,7 +19,7 @@ from drafters.training.resume import RandomStreams
 
 # The /proc/cpuinfo flags of the CPU instructions that make bfloat16 matmuls fast: Intel's AMX tiles (Sapphire
 # Rapids on) and AVX512-BF16 (Cooper Lake, Sapphire Rapids; AMD Zen 4 on). Without either, torch emulates
-# bfloat16 arithmetic in float32 and a bfloat16 step is no faster, or slower (docs/bench.md, "bfloat16").
+# bfloat16 arithmetic in float32 and a bfloat16 step is no faster, or slower (docs/bench.md, `precision`).
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # Set, it replaces /proc/cpuinfo's flags (space- or comma-separated; empty: none): the tests set it empty so
 # that ``auto`` means float32 on every machine, and a user can see what ``auto`` does on another CPU.
