@@ -1,4 +1,4 @@
-"""Long-trained drafters shipped as assets (issue 50; the long job's ``ship`` stage, :mod:`experiments.pipeline.long_job`).
+"""Long-trained drafters shipped as assets (issue 50; the long job's ``ship`` stage, :mod:`experiments.jobs.long_job`).
 
 ``<ship dir>/<name>/`` holds the drafter exactly as training saved it (``config.json``, ``model.safetensors``,
 ``blockdraft_record.json``: ``drafter.path=<it>`` loads it, and refuses it with another target), plus its model
