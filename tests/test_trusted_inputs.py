@@ -251,11 +251,31 @@ def test_a_truncated_regeneration_shard_is_named(tmp_path):
     write_meta(tmp_path, {"complete": True})
     (arrow,) = shard.glob("*.arrow")
     arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    (shard / "seals.json").unlink()  # a shard written before seals: pyarrow's failure, named in one line
     for read in (load_regenerated, finished_ids):
         with pytest.raises(DamagedFileError, match=rf"^regenerated shard {re.escape(str(shard))} cannot be read "
                                                    r"\(OSError: .*\): it is damaged .*delete the folder") as err:
             read(tmp_path)
         assert "\n" not in str(err.value)
+
+
+def test_an_edited_regeneration_shard_is_named_before_it_is_read(tmp_path):
+    """A byte of a sealed shard changed at the same size (still a readable table) is named with both hashes."""
+    from drafters.storage import BrokenSealError
+    from drafters.training.datamodule import load_regenerated
+
+    rows = [{"id": f"r{i}", "domain": "code", "input_ids": list(range(1, 40)), "prompt_len": 3} for i in range(20)]
+    shard = write_shard(rows, tmp_path)
+    write_meta(tmp_path, {"complete": True})
+    assert len(load_regenerated(tmp_path)) == 20
+    (arrow,) = shard.glob("*.arrow")
+    data = bytearray(arrow.read_bytes())
+    at = data.rfind(bytes([7, 0, 0, 0]))  # one token id of the input_ids column: 7 -> 8
+    data[at] = 8
+    arrow.write_bytes(bytes(data))
+    with pytest.raises(BrokenSealError, match=rf"regenerated shard file {re.escape(str(arrow))} has sha256 \w+ but "
+                                              r"was sealed with \w+: .*delete the folder"):
+        load_regenerated(tmp_path)
 
 
 def test_evaluation_without_drafter_path_names_the_key():

@@ -33,12 +33,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from drafters.config import target_fingerprint
-from drafters.storage import DamagedFileError
+from drafters.storage import (
+    BrokenSealError,
+    DamagedFileError,
+    check_seal_entry,
+    read_json,
+    seal_entry,
+    write_json_atomic,
+)
 from drafters.training.batching import EpochShuffle, ResumableLoader, collate, sample_anchors  # noqa: F401 (re-exported)
 from drafters.training.features import FeatureStore, compute_features, features_dir
 
 SHARDS = "shards"
 META = "regen.json"
+SHARD_SEALS = "seals.json"  # in each shard folder: every file's sha256, size and mtime when written
 COLUMNS = ("id", "domain", "input_ids", "prompt_len")
 
 
@@ -70,13 +78,33 @@ def write_shard(rows: Sequence[dict], data_dir: str | Path) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
+    seals = {f.name: seal_entry(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+    write_json_atomic(tmp / SHARD_SEALS, seals)  # what load_shard checks each file against
     os.replace(tmp, final)
     return final
+
+
+def check_shard_seals(shard: str | Path) -> None:
+    """Refuse a shard whose files are not those :func:`write_shard` sealed (:data:`SHARD_SEALS`: each file's sha256,
+    re-hashed only when its size or mtime changed), naming the file, both hashes and what to do. Shards written before
+    seals have none and are read as they are."""
+    shard = Path(shard)
+    seals_path = shard / SHARD_SEALS
+    if not seals_path.is_file():
+        return
+    seals = read_json(seals_path, "regenerated shard seals")
+    for name, entry in seals.items():
+        try:
+            check_seal_entry(shard / name, entry, "regenerated shard file")
+        except BrokenSealError as e:
+            raise BrokenSealError(f"{e}; delete the folder {shard} and run experiments.regenerate with the same "
+                                  "settings again: it regenerates the rows of that shard only") from None
 
 
 def load_shard(shard: str | Path) -> datasets.Dataset:
     """One shard folder (:func:`write_shard`), or a one-line :class:`drafters.storage.DamagedFileError` naming it when
     it cannot be read (a truncated or garbage file: pyarrow's own error names no file)."""
+    check_shard_seals(shard)
     try:
         return datasets.load_from_disk(str(shard))
     except (OSError, ValueError, KeyError, TypeError) as e:  # pyarrow's ArrowInvalid / ArrowIOError among them
