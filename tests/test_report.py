@@ -312,7 +312,7 @@ def test_multirun_report_checks_its_baselines_at_the_start():
     from experiments.reporting.callback import MultirunReport
 
     with pytest.raises(ValueError, match=r"drafter 'prompt_lokup': no conf/eval/drafter/prompt_lokup.yaml "
-                                         r"\(choose one of \['ar_assistant', 'block', 'corpus_lookup', 'prompt_lookup'\]\)"):
+                                         r"\(choose one of \['ar_assistant', 'block', 'corpus_lookup', 'hybrid', 'prompt_lookup', 'tree'\]\)"):
         MultirunReport(baselines=["prompt_lookup", "prompt_lokup"])
     assert MultirunReport(baselines=["prompt_lookup"]).baselines == ["prompt_lookup"]
 
