@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from test_features import LAYERS, make_rows
 from test_train import offline_env, run_main, save_target
 
+from drafters.storage import read_checkpoint
 from drafters.training.features import FeatureStore, compute_features, features_dir, read_features_meta
 from experiments import regenerate, train
 from experiments.pipeline import trainer as tr
@@ -149,8 +150,7 @@ def test_a_tiny_training_run_under_bf16_mixed(env, monkeypatch):
     caches = {p.name: read_features_meta(p)["precision"] for p in (env["root"] / "cache").glob("regen/*/*/features/*")}
     assert caches and all(v == ("bfloat16" if k.endswith("_bf16") else "float32") for k, v in caches.items())
     assert any(k.endswith("_bf16") for k in caches)
-    weights = torch.load(env["root"] / "runs" / "train" / "bf16" / "checkpoints" / "last.ckpt",
-                         weights_only=True)["state_dict"]
+    weights = read_checkpoint(env["root"] / "runs" / "train" / "bf16" / "checkpoints" / "last.ckpt")["state_dict"]
     assert all(v.dtype == torch.float32 for k, v in weights.items() if k.startswith("drafter.") and v.is_floating_point())
     run_main(train, [*env["base"], "name=bf16", "train.max_steps=4"])
     assert _summary(env, "bf16")["steps"] == 4
