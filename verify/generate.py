@@ -37,7 +37,7 @@ from verify.target_pass import (
     reads_head_once,
     verify_greedy_lazy,
 )
-from verify.tree import DraftTree, TreeDrafter, ancestor_mask, check_tree, node_depths, walk_tree
+from verify.tree import DraftTree, TreeDrafter, ancestor_mask, check_tree, walk_tree
 
 # The earlier private names of what moved to verify.inputs and verify.target_pass (tests and benchmarks use them).
 _check_inputs, _eos_tensor, _is_plain_head = check_inputs, eos_tensor, is_plain_head
@@ -144,17 +144,17 @@ def _verify(run: TargetPass, live: Live, drafts, q, slots, temperature, top_k, t
     return Step(block, slots, num_accepted, next_token)
 
 
-def _draft_tree(drafter, live: Live, temperature, top_k, top_p, generator) -> DraftTree:
-    """The drafter's trees (checked), without the nodes deeper than any row can still keep."""
+def _draft_tree(drafter, live: Live, temperature, top_k, top_p, generator) -> tuple[DraftTree, torch.Tensor]:
+    """The drafter's trees (checked), without the nodes deeper than any row can still keep, and their depths
+    (B, N + 1) (:func:`verify.tree.node_depths`, computed once per step)."""
     tree = drafter.draft_tree(live.anchor, live.anchor_pos, temperature=temperature, top_k=top_k, top_p=top_p,
                               generator=generator)
     if tree.tokens.shape[0] != len(live.rows):
         raise ValueError(f"drafter.draft_tree returned {tree.tokens.shape[0]} trees for {len(live.rows)} rows")
-    check_tree(tree, drafter.num_draft_tokens)
-    depth = node_depths(tree)[:, 1:]  # (B, N)
-    valid = tree.valid & (depth <= max(live.remaining_list))
+    depths = check_tree(tree, drafter.num_draft_tokens)  # (B, N + 1)
+    valid = tree.valid & (depths[:, 1:] <= max(live.remaining_list))
     used = int(valid.any(dim=0).nonzero().max()) + 1 if bool(valid.any()) else 0  # trailing padding dropped
-    return DraftTree(tree.tokens[:, :used], tree.parents[:, :used], valid[:, :used])
+    return DraftTree(tree.tokens[:, :used], tree.parents[:, :used], valid[:, :used]), depths[:, : used + 1]
 
 
 def _tree_mask(live: Live, tree: DraftTree, dtype: torch.dtype) -> torch.Tensor:  # (B, 1, N + 1, C + N + 1)
@@ -165,13 +165,13 @@ def _tree_mask(live: Live, tree: DraftTree, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
 
 
-def _verify_tree(run: TargetPass, live: Live, tree: DraftTree, temperature, top_k, top_p, generator,
+def _verify_tree(run: TargetPass, live: Live, tree: DraftTree, depths, temperature, top_k, top_p, generator,
                  clock) -> Step:
     """The target's forward over ``[anchor, node_1..node_N]`` with an ancestor-only mask, the exact walk
     (:func:`verify.tree.walk_tree`), and the cache, hidden states and block cut to each row's accepted path: the
     returned step reads as a chain step of width max(accepted)."""
     block = torch.cat([live.anchor.unsqueeze(1), tree.tokens], dim=1)  # (B, N + 1)
-    positions = live.anchor_pos.unsqueeze(1) + node_depths(tree)  # (B, N + 1)
+    positions = live.anchor_pos.unsqueeze(1) + depths  # (B, N + 1)
     dtype = run.target.get_input_embeddings().weight.dtype
     mask = _tree_mask(live, tree, dtype if dtype.is_floating_point else torch.float32)
     if run.lazy:
@@ -180,7 +180,7 @@ def _verify_tree(run: TargetPass, live: Live, tree: DraftTree, temperature, top_
     else:
         logits, hidden, _ = run(block, mask, positions)
     clock.lap("target_forward")
-    num_accepted, next_token, path = walk_tree(tree, logits, temperature, top_k, top_p, generator)
+    num_accepted, next_token, path = walk_tree(tree, logits, temperature, top_k, top_p, generator, depths)
     path = path[:, : int(num_accepted.max()) + 1]  # (B, n + 1) columns: root, then the accepted nodes
     keep_columns(run.cache, live.mask.shape[1], path)
     if hidden is not None:
@@ -242,10 +242,10 @@ def _decode(
     trees = isinstance(drafter, TreeDrafter)
     while live.rows:
         if trees:
-            tree = _draft_tree(drafter, live, temperature, top_k, top_p, generator)
+            tree, depths = _draft_tree(drafter, live, temperature, top_k, top_p, generator)
             _record_sources(drafter, live.rows, out)
             clock.lap("draft")
-            step = _verify_tree(run, live, tree, temperature, top_k, top_p, generator, clock)
+            step = _verify_tree(run, live, tree, depths, temperature, top_k, top_p, generator, clock)
             width = tree.tokens.shape[1]
         else:
             drafts, q = _draft(drafter, live, num_drafts, temperature, top_k, top_p, generator)

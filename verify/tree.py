@@ -82,9 +82,10 @@ def pad_trees(rows: list[tuple[list[int], list[int]]], device=None) -> DraftTree
     return DraftTree(tokens.to(device), parents.to(device), valid.to(device))
 
 
-def check_tree(tree: DraftTree, max_depth: int | None = None) -> None:
+def check_tree(tree: DraftTree, max_depth: int | None = None) -> torch.Tensor:
     """Refuse a malformed tree, naming the row and node: shapes that differ, a parent that is not an earlier node
-    or the root, a valid node under a padding node, or (with ``max_depth``) a node deeper than ``max_depth``."""
+    or the root, a valid node under a padding node, or (with ``max_depth``) a node deeper than ``max_depth``.
+    Returns the tree's :func:`node_depths`."""
     if tree.tokens.ndim != 2 or tree.parents.shape != tree.tokens.shape or tree.valid.shape != tree.tokens.shape:
         raise ValueError(f"draft tree: tokens {tuple(tree.tokens.shape)}, parents {tuple(tree.parents.shape)} and "
                          f"valid {tuple(tree.valid.shape)} must be the same (B, N)")
@@ -101,13 +102,14 @@ def check_tree(tree: DraftTree, max_depth: int | None = None) -> None:
     if bool(orphan.any()):
         b, i = (int(x) for x in orphan.nonzero()[0])
         raise ValueError(f"draft tree row {b}, node {i}: its parent {int(tree.parents[b, i])} is a padding node")
+    depths = node_depths(tree)  # (B, N + 1)
     if max_depth is not None:
-        depth = node_depths(tree)[:, 1:]
-        deep = tree.valid & (depth > max_depth)
+        deep = tree.valid & (depths[:, 1:] > max_depth)
         if bool(deep.any()):
             b, i = (int(x) for x in deep.nonzero()[0])
-            raise ValueError(f"draft tree row {b}, node {i}: depth {int(depth[b, i])} is deeper than the drafter's "
-                             f"{max_depth} draft slots")
+            raise ValueError(f"draft tree row {b}, node {i}: depth {int(depths[b, i + 1])} is deeper than the "
+                             f"drafter's {max_depth} draft slots")
+    return depths
 
 
 def node_depths(tree: DraftTree) -> torch.Tensor:  # (B, N + 1) long, the root's 0 first
@@ -136,6 +138,7 @@ def walk_tree(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    depths: torch.Tensor | None = None,  # (B, N + 1) node_depths(tree), when known already
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact walk: ``(num_accepted (B,), next_token (B,), path (B, D + 1))``.
 
@@ -158,7 +161,7 @@ def walk_tree(
     cols = torch.arange(n + 1, device=logits.device)
     holds = tree.valid.unsqueeze(1) & (parent_col.unsqueeze(1) == cols.view(1, -1, 1))  # (B, N + 1, N)
     holds &= tree.tokens.unsqueeze(1) == draws.unsqueeze(2)
-    depth = int(node_depths(tree).max()) if n else 0
+    depth = int((node_depths(tree) if depths is None else depths).max()) if n else 0
     current = torch.zeros(rows, dtype=torch.long, device=logits.device)  # (B,) column
     accepted = torch.zeros_like(current)
     path = [current]
