@@ -18,6 +18,9 @@
 # every run, the ablation's get it in their own pass). The baselines (untrained drafters, K=BASELINE_K, default 2 as
 # the main job chose) go to <runs>/baselines/<name>: prompt_lookup, and ar_assistant when ASSISTANT=<the main job's
 # <run>/assistant/export> is given.
+# QUEUE=long runs the long-budget ablation instead (experiment=ablation_long: 6 losses x 2 seeds, 10K steps each on
+# all the recorded answers, then dpace and soft_all), each drafter evaluated at T=0 and T=1 as a chain of CHAIN_W and a
+# tree of TREE_N nodes (long_evaluate below); report: python -m experiments.ablation_report --runs <runs> --long.
 # Every report, from whatever runs exist: python -m experiments.ablation_report --runs <runs>
 # Stop it with `kill $(cat <runs>/.ablation_queue.pid)`: every worker and the jobs under way stop too. NICE (default 19) is the jobs' niceness;
 # extra arguments go to every training (e.g. train.val_every=700).
@@ -95,6 +98,38 @@ sweep() {  # sweep NAME KEY SEED VALUES...: experiment=l2r_sweep_NAME, run dirs 
   done
 }
 
+long_evaluate() {  # long_evaluate RUN_SUBDIR: an ablation_long drafter as a chain of CHAIN_W (default 3, the main
+  # job's W) and as a best-first tree of TREE_N nodes (default 4, the main job's N) over the 4,096 most frequent answer
+  # tokens, at T=0 (replayed) and T=1 into <run>/eval and <run>/eval_tree; its 5K-step snapshot at T=0 into
+  # <run>/eval_5k and <run>/eval_tree_5k
+  local dir="$runs/multirun/ablation_long/$1" log="$runs/queue_logs/ablation_long-$1.log"
+  local vocab=(drafter.draft_vocab_size=4096 'drafter.draft_vocab_from=${asset:sharegpt_answers}')
+  [[ -f "$dir/train_summary.json" ]] || return 0
+  local both='[0.0,1.0]' name
+  name=$(sed 's/-s[0-9]*$//' <<<"$1")
+  for at in "" _5k; do
+    local path="$dir/drafter" temps="$both"
+    [[ -z "$at" ]] || { path="$dir/snapshots/step-5000"; temps='[0.0]'; }
+    [[ -d "$path" ]] || continue
+    TEMPERATURES="$temps" evaluated "$dir/eval$at/results.json" || TEMPERATURES="$temps" decode "$dir/eval$at" "$log" \
+      "drafter.path=$path" "drafter.name=$name" "drafter.max_draft_tokens=${CHAIN_W:-3}" "${vocab[@]}"
+    TEMPERATURES="$temps" evaluated "$dir/eval_tree$at/results.json" || TEMPERATURES="$temps" decode "$dir/eval_tree$at" \
+      "$log" drafter=tree "drafter.path=$path" "drafter.name=${name}_tree" "drafter.budget=${TREE_N:-4}" "${vocab[@]}"
+  done
+}
+
+long_job() {  # long_job LOSS SEED: one ablation_long run, trained then evaluated, unless another worker holds it
+  ( flock -n 8 || exit 0
+    train ablation_long "$1-s$2" "loss=$1" "seed=$2"; long_evaluate "$1-s$2" ) 8>"$runs/queue_logs/.ablation_long-$1-s$2.lock"
+}
+
+long_queue() {  # QUEUE=long: the paper's ablation at the long budget (issue 75), the pair with the earliest answer first
+  for seed in 0 1; do
+    for loss in uniform l2r_all decay focal chain decay_focal; do long_job "$loss" "$seed"; done
+  done
+  for seed in 0 1; do for loss in dpace soft_all; do long_job "$loss" "$seed"; done; done
+}
+
 queue() {  # one worker's pass over the whole order
   budget l2r_all 2; layers l2r_all 2
   budget uniform 2; layers uniform 2
@@ -114,7 +149,7 @@ threads="${THREADS:-2}"
 # Stopping the queue stops every worker and the jobs under way (they resume from last.ckpt at the next launch).
 trap 'trap - TERM INT; echo "[queue] stopped"; kill -- -$$ 2>/dev/null; exit 143' TERM INT
 for worker in $(seq 1 "${WORKERS:-1}"); do
-  queue &
+  if [[ "${QUEUE:-short}" == long ]]; then long_queue & else queue & fi
   sleep 5  # the first worker takes the first run
 done
 wait
