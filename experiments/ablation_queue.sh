@@ -123,7 +123,24 @@ long_job() {  # long_job LOSS SEED: one ablation_long run, trained then evaluate
     train ablation_long "$1-s$2" "loss=$1" "seed=$2"; long_evaluate "$1-s$2" ) 8>"$runs/queue_logs/.ablation_long-$1-s$2.lock"
 }
 
-long_queue() {  # QUEUE=long: the paper's ablation at the long budget (issue 75), the pair with the earliest answer first
+precision_job() {  # precision_job PRECISION SEED: l2r_all for 5K steps in trainer.precision=PRECISION (32, bf16-mixed),
+  # the same initialisation and data order in each, into ablation_long/precision-<PRECISION>-s<SEED>; T=0 as a chain
+  local run="precision-$1-s$2" dir="$runs/multirun/ablation_long/precision-$1-s$2"
+  ( flock -n 8 || exit 0
+    train ablation_long "$run" loss=l2r_all "seed=$2" "trainer.precision=$1" train.max_steps=5000 \
+      "train.snapshot_steps=[]" "hydra.sweep.subdir=$run" "name=ablation_long-$run"
+    [[ -f "$dir/train_summary.json" ]] || exit 0
+    TEMPERATURES='[0.0]' evaluated "$dir/eval/results.json" || TEMPERATURES='[0.0]' decode "$dir/eval" \
+      "$runs/queue_logs/ablation_long-$run.log" "drafter.path=$dir/drafter" "drafter.name=l2r_all_$1" \
+      "drafter.max_draft_tokens=${CHAIN_W:-3}" drafter.draft_vocab_size=4096 'drafter.draft_vocab_from=${asset:sharegpt_answers}'
+  ) 8>"$runs/queue_logs/.ablation_long-$run.lock"
+}
+
+long_queue() {  # QUEUE=long: the paper's ablation at the long budget (issue 75), the pair with the earliest answer first,
+  # then bfloat16's quality check (float32 against bfloat16, 5K steps, 2 seeds) where the CPU has bfloat16
+  long_job uniform 0; long_job l2r_all 0
+  if "$py" -c "from experiments.pipeline.trainer import resolve_precision as r; import sys; sys.exit(r('auto') != 'bf16-mixed')"
+  then for seed in 0 1; do precision_job 32 "$seed"; precision_job bf16-mixed "$seed"; done; fi
   for seed in 0 1; do
     for loss in uniform l2r_all decay focal chain decay_focal; do long_job "$loss" "$seed"; done
   done

@@ -319,12 +319,12 @@ def test_choose_k_tree_replays_each_tree_and_hybrid_setting(greedy_data, trained
     drafter = trained[0].drafter.eval()
     prompts = [row[m.bool()].tolist() for row, m in zip(eval_ids, eval_mask)]
     rows = [(p + target_generate(target, torch.tensor([p]), max_new_tokens=NEW).new_tokens[0], len(p)) for p in prompts]
-    policies = tree_settings([2, 4], [1, 2], lookup_depth=3)
+    policies = tree_settings([2, 4], [1, 2], [3])
     target_ms = {w: 10.0 + w for w in range(1, 12)}
     picked = choose_tree(drafter, target, rows, None, policies, target_ms, rounds=2)
     assert set(picked["by_setting"]) == set(policies) and picked["chosen"]["tree"] in ("tree_n2", "tree_n4")
     for name, policy in policies.items():
-        lookup = PromptLookupDrafter(drafter.vocab_size, 3) if name.startswith("hybrid") else None
+        lookup = PromptLookupDrafter(drafter.vocab_size, policy.lookup_depth) if name.startswith("hybrid") else None
         online = TreeDrafter(PolicyDrafter(drafter), lookup, policy)
         steps = sum(speculative_generate(target, online, torch.tensor([ids[:cut]]), max_new_tokens=NEW).num_target_forwards
                     for ids, cut in rows)

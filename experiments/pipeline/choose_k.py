@@ -167,12 +167,14 @@ class _Steps:
         return lead
 
 
-def tree_settings(budgets, matches, lookup_depth: int) -> dict[str, TreePolicy]:
+def tree_settings(budgets, matches, lookup_depths) -> dict[str, TreePolicy]:
     """The tree policies tried: the drafter's best-first tree of N nodes (``tree_n<N>``) and the hybrid with it
-    (``hybrid_n<N>_m<m>``: lookup's chain of ``lookup_depth`` where the row's last m tokens recur)."""
+    (``hybrid_n<N>_m<m>_k<K>``: lookup's chain of K where the row's last m tokens recur). A hybrid's lookup serves
+    only rows whose suffix recurs, whose continuations run longer than lookup's own average, so its K is chosen
+    with the rest rather than taken from lookup's."""
     out = {f"tree_n{n}": TreePolicy(budget=n) for n in budgets}
-    out |= {f"hybrid_n{n}_m{m}": TreePolicy(budget=n, lookup_min_match=m, lookup_depth=lookup_depth)
-            for n in budgets for m in matches}
+    out |= {f"hybrid_n{n}_m{m}_k{k}": TreePolicy(budget=n, lookup_min_match=m, lookup_depth=k)
+            for n in budgets for m in matches for k in lookup_depths}
     return out
 
 
@@ -257,9 +259,9 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
         set_weight_layout(layout, drafter)
         vocab = (candidate_vocab(target, args.tree_vocab_size, args.draft_vocab_from or args.data_dir, Path(path))
                  if args.tree_vocab_size else None)
-        policies = tree_settings(args.tree_budgets, args.hybrid_matches, lookup_k)
+        policies = tree_settings(args.tree_budgets, args.hybrid_matches, sorted({lookup_k, *args.hybrid_depths}))
         if "tree_ms" not in result:  # the target over a tree's columns, with its mask: 1 .. N + K + 1 columns
-            top = max(args.tree_budgets) + max(args.ks) + 1
+            top = max(args.tree_budgets) + max(*args.ks, *args.hybrid_depths) + 1
             result["tree_ms"] = forward_ms(target, list(range(1, top + 1)), args.rounds, trees=True)
         result.setdefault("tree", {})[name] = choose_tree(drafter, target, rows, vocab, policies, result["tree_ms"],
                                                           args.rounds)
@@ -296,6 +298,8 @@ def main(argv=None) -> dict:
                         "drafter.lookup_min_match of conf/eval/drafter/tree.yaml and hybrid.yaml)")
     p.add_argument("--tree-budgets", type=int, nargs="+", default=[2, 3, 4, 6, 8, 16])
     p.add_argument("--hybrid-matches", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--hybrid-depths", type=int, nargs="+", default=[5, 7, 10],
+                   help="the hybrid's lookup depths K tried, beside prompt lookup's chosen K (drafter.lookup_depth)")
     p.add_argument("--tree-vocab-size", type=int, default=0,
                    help="the trees' candidate vocabulary (drafter.draft_vocab_size; 0: the whole vocabulary)")
     p.add_argument("--val-fraction", type=float, default=0.05)
