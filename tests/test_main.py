@@ -108,7 +108,7 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     calls, log = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
     names = [c[0] for c in calls]
     drafters = ["uniform", "l2r_all", "uniform_long", "l2r_all_long", "l2r_all_long_tree", "uniform_long_tree",
-                "hybrid", "prompt_lookup", "ar_assistant"]
+                "hybrid", "l2r_all_long_tree_n8", "prompt_lookup", "ar_assistant"]
     timed = list(cfg.speed_drafters)
     assert timed == ["l2r_all_long", "l2r_all_long_tree", "hybrid", "prompt_lookup", "ar_assistant"]
     assert names == ["data", "train uniform", "train l2r_all", "choose K",  # the assistant is shipped, not trained
@@ -137,6 +137,8 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assert {"+drafter@drafters.hybrid=hybrid", "drafters.hybrid.budget=4", "drafters.l2r_all_long_tree.budget=6"} <= set(
         by_name["speed"])
     assert not any(a.startswith("temperatures") for a in by_name["eval hybrid"])  # T=0 and T=1
+    wide = by_name["eval l2r_all_long_tree_n8"]  # its own budget after the chosen one: the later override wins
+    assert wide.index("drafter.budget=8") > wide.index("drafter.budget=6") and "temperatures=[0.0]" in wide
     assert by_name["eval l2r_all_long"][:4] == ["target=smollm2", f"drafter.path={assets}/l2r_all_long",
                                                 "drafter.name=l2r_all_long", "temperatures=[0.0]"]
     assert "drafters.l2r_all_long.max_draft_tokens=2" in by_name["speed"]  # its best W at batch 1, chosen held out

@@ -207,11 +207,13 @@ def drop_finished(live: Live, step: Step, done_list, accepted_list, cache, draft
 
 def keep_columns(cache, start: int, index: torch.Tensor) -> None:
     """Keep, after the cache's first ``start`` columns, the columns ``start + index[b]`` of each row, in that order
-    (index (B, n) long, relative to ``start``), and drop the rest: a tree step keeps its accepted path."""
+    (index (B, n) long, relative to ``start``), and drop the rest: a tree step keeps its accepted path. Where every
+    row's path is columns 0..n - 1 in order (a chain's, lookup's), nothing moves: the cache is only cut."""
+    in_place = bool((index == torch.arange(index.shape[1], device=index.device)).all())
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True):
             continue
-        for name in ("keys", "values"):
+        for name in () if in_place else ("keys", "values"):
             states = getattr(layer, name)  # (B, h, start + N + 1, d)
             where = (start + index)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
             states[:, :, start : start + index.shape[1]] = states.gather(2, where)

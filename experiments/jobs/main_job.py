@@ -181,7 +181,8 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
 def tree_rows(cfg: DictConfig, blocks: dict[str, Path], chosen: dict[str, list[str]]) -> dict[str, list[str]]:
     """``trees``: each report row's evaluation arguments: its ``drafter`` choice (``tree`` or ``hybrid``), the block
     drafter it drafts with (``of``), the settings chosen held out for ``settings_of`` (default ``of``; so two drafters
-    can be compared at the same N), the trees' candidate vocabulary, and ``tree_overrides``."""
+    can be compared at the same N), the trees' candidate vocabulary, ``tree_overrides``, and the row's own
+    ``overrides`` (e.g. a fixed ``drafter.budget``), which win over the chosen settings."""
     rows, spec = {}, cfg.get("choose_k") or {}
     for name, row in (cfg.get("trees") or {}).items():
         if row.of not in blocks:
@@ -190,7 +191,7 @@ def tree_rows(cfg: DictConfig, blocks: dict[str, Path], chosen: dict[str, list[s
                  if spec.get("tree_vocab_size") else [])
         settings = chosen.get(f"{row.drafter}:{row.get('settings_of') or row.of}", [])
         rows[name] = [f"drafter={row.drafter}", f"drafter.path={blocks[row.of]}", f"drafter.name={name}", *vocab,
-                      *settings, *cfg.get("tree_overrides", [])]
+                      *settings, *cfg.get("tree_overrides", []), *row.get("overrides", [])]
     return rows
 
 
