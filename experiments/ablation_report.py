@@ -12,6 +12,14 @@ Reads the run folders that ``experiments/ablation_queue.sh`` fills (``<runs>/mul
   (the sweep's default) and ``uniform``, seed by seed, and the curve of τ against the swept setting
   (``curve.md``/``.png``, :mod:`experiments.reporting.sweep_curve`).
 
+With ``--long``, the long-budget ablation instead (``QUEUE=long``: ``<runs>/multirun/ablation_long``):
+
+* ``ablation_long/`` and ``ablation_long_tree/``: the losses at 10K steps as a chain and as a best-first tree, gains
+  over ``uniform`` (``uniform_tree``), beside the paper's figures; ``ablation_long_5k/``, ``ablation_long_tree_5k/``:
+  the same runs' 5K-step snapshots (T=0);
+* ``ablation_long_precision/``: l2r_all trained 5K steps in float32 and in bfloat16 from the same initialisation and
+  data order, the bfloat16 one's gain over the float32 one (issue 75's quality check).
+
 A part without runs is skipped and named, and so is an evaluation under way. Run it again as runs finish.
 """
 
@@ -64,12 +72,38 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
     return _evaluated([folder] + [ablation / f"{loss}-s{s}" for s in seeds for loss in ("uniform", SWEEPS[name][0])])
 
 
-def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False) -> tuple[list[Run], dict]:
+def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False,
+            baseline: str = "uniform") -> tuple[list[Run], dict]:
     """Write the report of ``paths`` into ``out``; returns its runs and report.json's content."""
-    runs = order_runs(load_runs(paths), order, "uniform")
-    report = write_report(runs, out, baseline="uniform", paper=paper)
+    runs = order_runs(load_runs(paths), order, baseline)
+    report = write_report(runs, out, baseline=baseline, paper=paper)
     print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
     return runs, report
+
+
+# report folder -> (the evaluation folder of each ablation_long run, the baseline row)
+LONG_PARTS = {"ablation_long": ("eval", "uniform"), "ablation_long_tree": ("eval_tree", "uniform_tree"),
+              "ablation_long_5k": ("eval_5k", "uniform"), "ablation_long_tree_5k": ("eval_tree_5k", "uniform_tree")}
+
+
+def long_reports(runs: Path, out: Path) -> list[str]:
+    """The long-budget ablation's reports (the module doc, ``--long``); returns the folders written."""
+    folder, written = runs / "multirun" / "ablation_long", []
+    trained = [d for d in sorted(folder.glob("*-s*")) if not d.name.startswith("precision-")]
+    for name, (sub, baseline) in LONG_PARTS.items():
+        paths = _evaluated([d / sub for d in trained])
+        if len(paths) < 2:
+            print(f"[ablation_report] {name}: fewer than two evaluated runs yet, skipped", flush=True)
+            continue
+        order = [f"{loss}_tree" if baseline.endswith("_tree") else loss for loss in ORDER]
+        _report(paths, out / name, order, paper=sub == "eval", baseline=baseline)
+        written.append(name)
+    precision = _evaluated([d / "eval" for d in sorted(folder.glob("precision-*"))])
+    if len(precision) >= 2:
+        _report(precision, out / "ablation_long_precision", ["l2r_all_bf16-mixed"], baseline="l2r_all_32")
+        written.append("ablation_long_precision")
+    print(f"[ablation_report] wrote {', '.join(written) or 'nothing'} under {out}", flush=True)
+    return written
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
@@ -79,8 +113,11 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     parser.add_argument("--baselines", nargs="+", default=None, help="evaluations of untrained drafters on the "
                         "same suites, rows of the ablation report (default: the queue's <runs>/baselines/*; e.g. "
                         "the main job's <run>/eval/prompt_lookup, evaluated at T=0 only)")
+    parser.add_argument("--long", action="store_true", help="the long-budget ablation's reports (QUEUE=long)")
     args = parser.parse_args(argv)
     runs, out, written = Path(args.runs).expanduser(), Path(args.out), []
+    if args.long:
+        return long_reports(runs, out)
     ablation = _evaluated([runs / "multirun" / "l2r_ablation"])
     if not ablation:
         raise SystemExit(f"no evaluated run under {runs / 'multirun' / 'l2r_ablation'}: run "

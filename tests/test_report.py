@@ -565,3 +565,37 @@ def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms():
     assert len(rows) == 1 and "+11.0% | +15.0%" in rows[0]
     assert not any(line.startswith("| l2r_all") for line in composition_lines(single, "t0"))
     assert composition_lines({"configurations": [], "table": {}}, "t0") == []
+
+
+def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_path):
+    """experiments.ablation_report --long: the queue's ablation_long runs, each evaluated as a chain (eval), a tree
+    (eval_tree) and at its 5K snapshot, give one report per kind with its own baseline row; the bfloat16 quality
+    check's runs (precision-*) make their own report, left out of the ablation's."""
+    from experiments import ablation_report
+
+    folder = tmp_path / "runs" / "multirun" / "ablation_long"
+
+    def evaluation(run, sub, name, loss, seed, doc):
+        d = folder / run / sub
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps(doc | {"drafter": {"name": name,
+                                                                      "training_run": {"loss": loss, "seed": seed}}}))
+
+    for seed in (0, 1):
+        uniform, decay = _docs(seed)
+        for loss, doc in (("uniform", uniform), ("decay", decay)):
+            evaluation(f"{loss}-s{seed}", "eval", loss, loss, seed, doc)
+            evaluation(f"{loss}-s{seed}", "eval_tree", f"{loss}_tree", loss, seed, doc)
+        evaluation(f"precision-32-s{seed}", "eval", "l2r_all_32", "l2r_all", seed, uniform)
+        evaluation(f"precision-bf16-mixed-s{seed}", "eval", "l2r_all_bf16-mixed", "l2r_all", seed, decay)
+    out = tmp_path / "results"
+    written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--long"])
+    assert written == ["ablation_long", "ablation_long_tree", "ablation_long_precision"]  # no snapshot evaluated
+    chain = json.loads((out / "ablation_long" / "report.json").read_text())
+    assert {c["config"] for c in chain["configurations"]} == {"uniform", "decay"}
+    tree = json.loads((out / "ablation_long_tree" / "report.json").read_text())
+    assert [c["config"] for c in tree["configurations"]][:2] == ["uniform_tree", "uniform_tree"]
+    assert tree["across_seeds"]["t0"][rp.MEAN]["decay_tree"]["seeds"] == [0, 1]
+    precision = json.loads((out / "ablation_long_precision" / "report.json").read_text())
+    assert {c["config"] for c in precision["configurations"]} == {"l2r_all_32", "l2r_all_bf16-mixed"}
+    assert "l2r_all_bf16-mixed" in precision["across_seeds"]["t0"][rp.MEAN]
