@@ -122,12 +122,19 @@ class PolicyDrafter:
         """The drafter's logits (..., V) of ``states`` (..., H). With :attr:`draft_vocab` (FR-Spec's lever), the LM
         head's matmul covers those V' columns only and the others hold the dtype's lowest finite value (the
         verifier refuses infinite logits): q is exactly 0 there, so drafts come from the candidates, still exact."""
-        if self.draft_vocab is None:
-            return self.drafter.head(states)
-        part = self.drafter.head(states, self.draft_vocab, self._candidate_rows())  # (..., V')
+        part, vocab = self.candidate_logits(states)  # (..., V')
+        if vocab is None:
+            return part
         logits = part.new_full((*part.shape[:-1], self.drafter.vocab_size), torch.finfo(part.dtype).min)
-        logits[..., self.draft_vocab] = part
+        logits[..., vocab] = part
         return logits
+
+    def candidate_logits(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's logits over its candidates only (..., V') and their token ids (V',) long: with
+        :attr:`draft_vocab`, those V' columns of :meth:`head`; without, the whole vocabulary and None."""
+        if self.draft_vocab is None:
+            return self.drafter.head(states), None
+        return self.drafter.head(states, self.draft_vocab, self._candidate_rows()), self.draft_vocab
 
     @torch.no_grad()
     def _candidate_rows(self) -> torch.Tensor:

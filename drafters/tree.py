@@ -211,8 +211,9 @@ class TreeDrafter:
         every = len(rows) == anchor_ids.shape[0]
         states = d.block_states(block, None if every else torch.tensor(rows, device=anchor_ids.device))  # (b, K, H)
         states = states[:, : self.policy.drafter_width(states.shape[1])]
-        log_probs = self.block.head(states).float().log_softmax(-1)  # (b, W, V)
-        values, ids = log_probs.topk(min(self.policy.budget, log_probs.shape[-1]), dim=-1)  # (b, W, n)
+        logits, vocab = self.block.candidate_logits(states)  # (b, W, V'): the rest of the vocabulary has q = 0
+        values, ids = logits.float().log_softmax(-1).topk(min(self.policy.budget, logits.shape[-1]), dim=-1)  # (b, W, n)
+        ids = ids if vocab is None else vocab[ids]
         return {row: (v, i) for row, v, i in zip(rows, values.tolist(), ids.tolist())}
 
     def draft_tree(self, anchor_ids, anchor_position_ids, *, temperature: float = 0.0, top_k=None, top_p=None,

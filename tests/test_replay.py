@@ -88,6 +88,11 @@ def test_replay_drafts_from_the_candidate_vocabulary(setup, tmp_path, monkeypatc
                                        settings=_settings(replay_greedy=True))
         counts[name] = [p["accepted_counts"] for p in online["prompts"]]
         assert [p["accepted_counts"] for p in replayed["prompts"]] == counts[name], name
+        tree = TreeDrafter(drafter, None, TreePolicy(budget=3))  # its top candidates as a tree: the same both ways
+        online = ev.evaluate_suite(target, tok, tree, prompts, suite="all", temperature=0.0, settings=_settings())
+        replayed = replay.replay_suite(target, tok, tree, prompts, suite="all", temperature=0.0,
+                                       settings=_settings(replay_greedy=True))
+        assert [p["accepted_counts"] for p in replayed["prompts"]] == [p["accepted_counts"] for p in online["prompts"]]
     assert counts["whole"] != counts["candidates"]
 
 
