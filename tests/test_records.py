@@ -305,3 +305,25 @@ def test_an_unwritable_run_folder_fails_first_with_one_line(tmp_path, monkeypatc
     finally:
         folder.chmod(0o755)
         runs.chmod(0o755)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_the_check_runs_where_the_run_name_reads_hydras_choices(tmp_path, monkeypatch):
+    """An experiment whose run name reads ${hydra:runtime.choices.loss} (the ablations': their run folder is named
+    after the loss) is checked too: the callback once raised resolving the name before Hydra's config was set, Hydra
+    only warned, and the check was skipped."""
+    offline_env(monkeypatch, tmp_path)
+    runs = tmp_path / "unwritable_runs"
+    runs.mkdir()
+    runs.chmod(0o555)
+    monkeypatch.setenv("BLOCKDRAFT_RUNS", str(runs))
+    if os.geteuid() == 0:
+        _deny_writes_under(monkeypatch, runs)
+    try:
+        with pytest.raises(SystemExit) as info:
+            run_main(train, ["experiment=l2r_ablation", "launch=run", "loss=decay", "seed=1"])
+        assert info.value.code.startswith(f"error: run folder {runs}/multirun/l2r_ablation/decay-s1 cannot be "
+                                          f"created: {runs} is not writable")
+        assert list(runs.iterdir()) == []
+    finally:
+        runs.chmod(0o755)

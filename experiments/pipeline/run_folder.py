@@ -270,11 +270,11 @@ class RunFolderCheck(Callback):
 
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:
+        if not HydraConfig.initialized():  # the run name and folder may read ${hydra:...}, set only later by Hydra
+            HydraConfig.instance().set_config(config)
         problem = _run_name_problem(config)  # the folder's name may read it: checked before the folder exists
         if problem:
             sys.exit(f"error: {problem}")
-        if not HydraConfig.initialized():  # the folder's name may read ${hydra:...}, set only later by Hydra
-            HydraConfig.instance().set_config(config)
         folder = OmegaConf.select(config, key, default=None)
         problem = temp_problem() or (unwritable(folder) if folder is not None else None)
         if problem:
