@@ -323,7 +323,7 @@ def test_the_check_runs_where_the_run_name_reads_hydras_choices(tmp_path, monkey
         with pytest.raises(SystemExit) as info:
             run_main(train, ["experiment=l2r_ablation", "launch=run", "loss=decay", "seed=1"])
         assert info.value.code.startswith(f"error: run folder {runs}/multirun/l2r_ablation/decay-s1 cannot be "
-                                          f"created: {runs} is not writable")
+                                          f"created: {runs} is not writable"), info.value.code
         assert list(runs.iterdir()) == []
     finally:
         runs.chmod(0o755)

@@ -270,8 +270,7 @@ class RunFolderCheck(Callback):
 
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:
-        if not HydraConfig.initialized():  # the run name and folder may read ${hydra:...}, set only later by Hydra
-            HydraConfig.instance().set_config(config)
+        HydraConfig.instance().set_config(config)  # the name and folder may read ${hydra:...}: this job's, set early
         problem = _run_name_problem(config)  # the folder's name may read it: checked before the folder exists
         if problem:
             sys.exit(f"error: {problem}")
