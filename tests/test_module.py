@@ -186,13 +186,23 @@ def test_choose_k_times_each_weight_layout_on_fresh_weights_and_keeps_the_taus(g
     monkeypatch.setattr(choose_k, "load_target", lambda path: loaded.append(copy.deepcopy(target)) or (loaded[-1], None))
     replays, real_taus = [], choose_k.block_taus
     monkeypatch.setattr(choose_k, "block_taus", lambda *a: replays.append(a[1]) or real_taus(*a))
+    tops, real_tops = [], choose_k.tree_tops
+    monkeypatch.setattr(choose_k, "tree_tops", lambda *a: tops.append(a[2]) or real_tops(*a))
+    walks, real_walk = [], choose_k.tree_walk
+    monkeypatch.setattr(choose_k, "tree_walk", lambda *a: walks.append(a[0].policy) or real_walk(*a))
     out = choose_k.main(["--data-dir", str(data_dir), "--target", "t", "--drafter", f"d={tmp_path / 'drafter'}",
                          "--ks", "1", "2", "--val-fraction", "0.2", "--rows", "4", "--rounds", "2",
+                         "--tree", f"d={tmp_path / 'drafter'}", "--tree-budgets", "2", "3", "--hybrid-matches", "2",
+                         "--hybrid-depths", "2",
                          "--weight-layouts", "row_major", "onednn_packed", "--out", str(tmp_path / "k.json")])
     assert len(loaded) == 2 and type(loaded[1].lm_head) is OneDNNPackedLinear and type(loaded[0].lm_head) is not \
         OneDNNPackedLinear  # one fresh target per layout
-    assert replays == [loaded[0]]  # τ replayed once, on the target as loaded
+    assert replays == [loaded[0]] and tops == [loaded[0]]  # τ replayed once, on the target as loaded
     by_layout = out["by_layout"]
+    trees = [by_layout[layout]["tree"]["d"]["by_setting"] for layout in by_layout]
+    assert len(walks) == len(set(trees[0]) | set(trees[1])) >= 4  # each setting walked once, whatever the layouts
+    shared = set(trees[0]) & set(trees[1])  # (the hybrid's depths include prompt lookup's K, chosen per layout)
+    assert {n: trees[0][n]["tau"] for n in shared} == {n: trees[1][n]["tau"] for n in shared} and "tree_n3" in shared
     assert set(by_layout) == {"row_major", "onednn_packed"} and out["chosen_layout"] in by_layout
     for name in ("prompt_lookup",):
         assert by_layout["row_major"][name]["by_k"][2]["tau"] == by_layout["onednn_packed"][name]["by_k"][2]["tau"]

@@ -191,28 +191,40 @@ def tree_draft_ms(target, drafter: TreeDrafter, rounds: int, context: int = 200)
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
+def tree_walk(variant: TreeDrafter, rows, tops) -> tuple[int, list[tuple[str, int]]]:
+    """A tree policy replayed on ``rows`` from the drafter's per-anchor ``tops``: its number of steps and, per step,
+    what drafted the step's tree and its node count (what the step costs depends on the machine, these do not)."""
+    steps, parts = 0, []
+    for (ids, cut), top in zip(rows, tops):
+        walk = _Steps(TreeLeads(variant, ids, top))
+        steps += len(greedy_walk(walk, cut, len(ids))[0])
+        parts += walk.steps
+    return steps, parts
+
+
 def choose_tree(drafter, target, rows, vocab, policies: dict[str, TreePolicy], target_ms: dict[int, float],
-                rounds: int, tops=None) -> dict:
+                rounds: int, tops=None, walks: dict | None = None) -> dict:
     """τ and the estimated speedup of each tree policy over ``drafter`` (a block drafter drafting from the candidate
     ids ``vocab``), replayed on ``rows``: a step costs the target's forward over the tree's nodes + 1 columns
     (timed with a causal mask, which costs what the ancestor-only mask does) plus the drafter's pass where the step
-    used it (lookup's own cost is left out: ~0.3% of a step). Returns ``by_setting`` and the ``chosen`` policy."""
+    used it (lookup's own cost is left out: ~0.3% of a step). ``walks``: the policies' :func:`tree_walk` by name,
+    filled here where missing (another weight layout's call reuses them). Returns ``by_setting`` and the ``chosen``
+    policy."""
     block = PolicyDrafter(drafter, DraftingPolicy(), vocab)
     top_k = max(p.budget for p in policies.values())
     tops = tops or tree_tops(drafter, vocab, target, rows, top_k, drafter.num_draft_tokens)[0]
     ms = {n: tree_draft_ms(target, TreeDrafter(block, None, TreePolicy(budget=n)), rounds)
           for n in sorted({p.budget for p in policies.values()})}
     tokens = sum(len(ids) - cut for ids, cut in rows)
+    walks = {} if walks is None else walks
     by_setting = {}
     for name, policy in policies.items():
-        lookup = PromptLookupDrafter(drafter.vocab_size, policy.lookup_depth) if name.startswith("hybrid") else None
-        variant = TreeDrafter(block, lookup, policy)
-        steps, cost = 0, 0.0
-        for (ids, cut), top in zip(rows, tops):
-            walk = _Steps(TreeLeads(variant, ids, top))
-            steps += len(greedy_walk(walk, cut, len(ids))[0])
-            cost += sum(target_ms[min(nodes + 1, max(target_ms))] + (ms[policy.budget] if source != "lookup" else 0.0)
-                        for source, nodes in walk.steps)
+        if name not in walks:
+            lookup = PromptLookupDrafter(drafter.vocab_size, policy.lookup_depth) if name.startswith("hybrid") else None
+            walks[name] = tree_walk(TreeDrafter(block, lookup, policy), rows, tops)
+        steps, parts = walks[name]
+        cost = sum(target_ms[min(nodes + 1, max(target_ms))] + (ms[policy.budget] if source != "lookup" else 0.0)
+                   for source, nodes in parts)
         by_setting[name] = {"tau": round(tokens / steps, 4), "step_ms": round(cost / steps, 2),
                             "speedup_estimate": round(tokens * target_ms[1] / cost, 4), **asdict(policy)}
     best = {kind: max((n for n in by_setting if n.startswith(kind)), key=lambda n: by_setting[n]["speedup_estimate"],
@@ -241,6 +253,13 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
                       for n in args.draft_vocab_sizes}
             replayed[name] = vocabs, block_taus(drafter, target, rows, ws, vocabs)
         blocks[name] = drafter, ws, *replayed[name]
+    for name, path in (item.split("=", 1) for item in args.tree):  # the trees' candidates and top tokens, once
+        if f"tree:{name}" not in replayed:
+            drafter = factory.load(path, target=target).eval()
+            vocab = (candidate_vocab(target, args.tree_vocab_size, args.draft_vocab_from or args.data_dir, Path(path))
+                     if args.tree_vocab_size else None)
+            tops = tree_tops(drafter, vocab, target, rows, max(args.tree_budgets), drafter.num_draft_tokens)[0]
+            replayed[f"tree:{name}"] = {"vocab": vocab, "tops": tops, "walks": {}}
     set_weight_layout(layout, target, assistant, *(block[0] for block in blocks.values()))
     target_ms = forward_ms(target, widths, args.rounds)
     result = {"target_ms": target_ms,
@@ -257,14 +276,13 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
     for name, path in (item.split("=", 1) for item in args.tree):
         drafter = factory.load(path, target=target).eval()
         set_weight_layout(layout, drafter)
-        vocab = (candidate_vocab(target, args.tree_vocab_size, args.draft_vocab_from or args.data_dir, Path(path))
-                 if args.tree_vocab_size else None)
+        made = replayed[f"tree:{name}"]
         policies = tree_settings(args.tree_budgets, args.hybrid_matches, sorted({lookup_k, *args.hybrid_depths}))
         if "tree_ms" not in result:  # the target over a tree's columns, with its mask: 1 .. N + K + 1 columns
             top = max(args.tree_budgets) + max(*args.ks, *args.hybrid_depths) + 1
             result["tree_ms"] = forward_ms(target, list(range(1, top + 1)), args.rounds, trees=True)
-        result.setdefault("tree", {})[name] = choose_tree(drafter, target, rows, vocab, policies, result["tree_ms"],
-                                                          args.rounds)
+        result.setdefault("tree", {})[name] = choose_tree(drafter, target, rows, made["vocab"], policies,
+                                                          result["tree_ms"], args.rounds, made["tops"], made["walks"])
     return result
 
 
