@@ -98,12 +98,13 @@ sweep() {  # sweep NAME KEY SEED VALUES...: experiment=l2r_sweep_NAME, run dirs 
   done
 }
 
+LONG_VOCAB=(drafter.draft_vocab_size=4096 'drafter.draft_vocab_from=${asset:sharegpt_answers}')  # the main job's candidates
+
 long_evaluate() {  # long_evaluate RUN_SUBDIR: an ablation_long drafter as a chain of CHAIN_W (default 3, the main
   # job's W) and as a best-first tree of TREE_N nodes (default 4, the main job's N) over the 4,096 most frequent answer
   # tokens, at T=0 (replayed) and T=1 into <run>/eval and <run>/eval_tree; its 5K-step snapshot at T=0 into
   # <run>/eval_5k and <run>/eval_tree_5k
   local dir="$runs/multirun/ablation_long/$1" log="$runs/queue_logs/ablation_long-$1.log"
-  local vocab=(drafter.draft_vocab_size=4096 'drafter.draft_vocab_from=${asset:sharegpt_answers}')
   [[ -f "$dir/train_summary.json" ]] || return 0
   local both='[0.0,1.0]' name
   name=$(sed 's/-s[0-9]*$//' <<<"$1")
@@ -112,9 +113,9 @@ long_evaluate() {  # long_evaluate RUN_SUBDIR: an ablation_long drafter as a cha
     [[ -z "$at" ]] || { path="$dir/snapshots/step-5000"; temps='[0.0]'; }
     [[ -d "$path" ]] || continue
     TEMPERATURES="$temps" evaluated "$dir/eval$at/results.json" || TEMPERATURES="$temps" decode "$dir/eval$at" "$log" \
-      "drafter.path=$path" "drafter.name=$name" "drafter.max_draft_tokens=${CHAIN_W:-3}" "${vocab[@]}"
+      "drafter.path=$path" "drafter.name=$name" "drafter.max_draft_tokens=${CHAIN_W:-3}" "${LONG_VOCAB[@]}"
     TEMPERATURES="$temps" evaluated "$dir/eval_tree$at/results.json" || TEMPERATURES="$temps" decode "$dir/eval_tree$at" \
-      "$log" drafter=tree "drafter.path=$path" "drafter.name=${name}_tree" "drafter.budget=${TREE_N:-4}" "${vocab[@]}"
+      "$log" drafter=tree "drafter.path=$path" "drafter.name=${name}_tree" "drafter.budget=${TREE_N:-4}" "${LONG_VOCAB[@]}"
   done
 }
 
@@ -132,7 +133,7 @@ precision_job() {  # precision_job PRECISION SEED: l2r_all for 5K steps in train
     [[ -f "$dir/train_summary.json" ]] || exit 0
     TEMPERATURES='[0.0]' evaluated "$dir/eval/results.json" || TEMPERATURES='[0.0]' decode "$dir/eval" \
       "$runs/queue_logs/ablation_long-$run.log" "drafter.path=$dir/drafter" "drafter.name=l2r_all_$1" \
-      "drafter.max_draft_tokens=${CHAIN_W:-3}" drafter.draft_vocab_size=4096 'drafter.draft_vocab_from=${asset:sharegpt_answers}'
+      "drafter.max_draft_tokens=${CHAIN_W:-3}" "${LONG_VOCAB[@]}"
   ) 8>"$runs/queue_logs/.ablation_long-$run.lock"
 }
 

@@ -191,15 +191,15 @@ def tree_draft_ms(target, drafter: TreeDrafter, rounds: int, context: int = 200)
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def tree_walk(variant: TreeDrafter, rows, tops) -> tuple[int, list[tuple[str, int]]]:
-    """A tree policy replayed on ``rows`` from the drafter's per-anchor ``tops``: its number of steps and, per step,
-    what drafted the step's tree and its node count (what the step costs depends on the machine, these do not)."""
-    steps, parts = 0, []
+def tree_walk(variant: TreeDrafter, rows, tops) -> list[tuple[str, int]]:
+    """A tree policy replayed on ``rows`` from the drafter's per-anchor ``tops``: per step (greedy_walk reads one lead
+    a step), what drafted the step's tree and its node count (what a step costs depends on the machine, these not)."""
+    parts = []
     for (ids, cut), top in zip(rows, tops):
         walk = _Steps(TreeLeads(variant, ids, top))
-        steps += len(greedy_walk(walk, cut, len(ids))[0])
+        greedy_walk(walk, cut, len(ids))
         parts += walk.steps
-    return steps, parts
+    return parts
 
 
 def choose_tree(drafter, target, rows, vocab, policies: dict[str, TreePolicy], target_ms: dict[int, float],
@@ -222,7 +222,7 @@ def choose_tree(drafter, target, rows, vocab, policies: dict[str, TreePolicy], t
         if name not in walks:
             lookup = PromptLookupDrafter(drafter.vocab_size, policy.lookup_depth) if name.startswith("hybrid") else None
             walks[name] = tree_walk(TreeDrafter(block, lookup, policy), rows, tops)
-        steps, parts = walks[name]
+        steps, parts = len(walks[name]), walks[name]
         cost = sum(target_ms[min(nodes + 1, max(target_ms))] + (ms[policy.budget] if source != "lookup" else 0.0)
                    for source, nodes in parts)
         by_setting[name] = {"tau": round(tokens / steps, 4), "step_ms": round(cost / steps, 2),
