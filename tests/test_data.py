@@ -8,6 +8,7 @@ from conftest import tiny_target
 from scipy.stats import chisquare
 
 from drafters import factory
+from drafters.training.blocks import lookup_anchor_weights
 from drafters.training.datamodule import (
     EpochShuffle,
     RegenDataModule,
@@ -22,6 +23,7 @@ from drafters.training.datamodule import (
     write_meta,
     write_shard,
 )
+from verify.lookup import lookup_paths
 
 # ----------------------------------------------------------------------------- anchors
 
@@ -61,11 +63,40 @@ def test_anchors_are_seeded_and_uniform():
     assert chisquare(counts[1:11].numpy()).pvalue > 1e-3  # each candidate equally likely
 
 
+def test_weighted_anchors_are_drawn_in_proportion_to_their_weights():
+    prompt_len, length = torch.tensor([2]), torch.tensor([8])  # 6 candidates: columns 1..6
+    weights = torch.tensor([[1.0, 1.0, 0.1, 1.0, 0.1, 0.5, 1.0, 1.0]])
+    generator, counts = torch.Generator().manual_seed(0), torch.zeros(8)
+    for _ in range(4000):
+        a, _ = sample_anchors(prompt_len, length, 1, generator, weights)
+        counts[a[0, 0]] += 1
+    expected = weights[0, 1:7] / weights[0, 1:7].sum() * 4000
+    assert counts[0] == counts[7] == 0
+    assert chisquare(counts[1:7].numpy(), expected.numpy()).pvalue > 1e-3
+    # every candidate is still drawn when the row asks for all of them
+    a, m = sample_anchors(prompt_len, length, 6, generator, weights)
+    assert a[m].tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_lookup_anchor_weights_mark_where_the_hybrid_drafts_by_lookup():
+    ids = torch.tensor([[5, 6, 7, 5, 6, 8, 5, 6, 0], [1, 2, 3, 4, 1, 2, 1, 2, 3]])
+    batch = {"input_ids": ids, "length": torch.tensor([8, 9])}
+    w = lookup_anchor_weights(batch, 0.25, 2)
+    # (5, 6) recurs at columns 4 and 7 of row 0; (1, 2) at 5 and 7, (2, 3) at 8 of row 1; padding is never served
+    assert (w[0] == 0.25).nonzero().flatten().tolist() == [4, 7]
+    assert (w[1] == 0.25).nonzero().flatten().tolist() == [5, 7, 8]
+    for row, n in ((0, 8), (1, 9)):  # the hybrid's own rule: lookup_paths finds an n-gram of >= 2 tokens
+        served = [lookup_paths(ids[row, :a + 1], 3, 1, 4)[0] >= 2 for a in range(n)]
+        assert served == (w[row, :n] < 1).tolist()
+
+
 def test_anchor_errors():
     with pytest.raises(ValueError, match="num_anchors"):
         sample_anchors(torch.tensor([2]), torch.tensor([5]), 0)
     with pytest.raises(ValueError, match="prompt_len"):
         sample_anchors(torch.tensor([0]), torch.tensor([5]), 2)
+    with pytest.raises(ValueError, match=r"anchor weights must be \(B, S\) = \(1, 5\) in \(0, 1\]"):
+        sample_anchors(torch.tensor([2]), torch.tensor([5]), 2, weights=torch.zeros(1, 5))
 
 
 # ----------------------------------------------------------------------------- batches and labels

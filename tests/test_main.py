@@ -124,9 +124,12 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     assets = tmp_path / "assets"
     assert f"drafter.path={assets}/ar_assistant_smollm2" in by_name["eval ar_assistant"]
     assert by_name["choose K"][:2] == ["--data-dir", "cache/regen/x/abc"]
-    assert by_name["choose K"][-8:] == ["--assistant", f"{assets}/ar_assistant_smollm2",
-                                        "--drafter", f"l2r_all_long={assets}/l2r_all_long",
-                                        "--tree", f"l2r_all_long={assets}/l2r_all_long", "--tree-vocab-size", "4096"]
+    assert by_name["choose K"][-20:] == ["--assistant", f"{assets}/ar_assistant_smollm2",
+                                         "--drafter", f"l2r_all_long={assets}/l2r_all_long",
+                                         "--tree", f"l2r_all_long={assets}/l2r_all_long", "--tree-vocab-size", "4096",
+                                         "--tree-budgets", "3", "4", "6", "8", "--hybrid-matches", "2", "3",
+                                         "--hybrid-depths", "7", "10", "15"]  # the tree grid as configured
+    assert by_name["choose K"][by_name["choose K"].index("--weight-layouts") + 1:][:2] == ["onednn_packed", "--assistant"]
     # trees and the hybrid: the settings chosen held out for l2r_all_long, uniform_long's tree at the same N
     assert by_name["eval l2r_all_long_tree"][1:5] == ["drafter=tree", f"drafter.path={assets}/l2r_all_long",
                                                      "drafter.name=l2r_all_long_tree", "drafter.draft_vocab_size=4096"]
@@ -145,7 +148,6 @@ def test_the_sharegpt_main_job_evaluates_the_shipped_drafters_beside_its_own(tmp
     answers = str(Path("experiments/assets/sharegpt_answers").resolve())
     assert by_name["choose K"][by_name["choose K"].index("--draft-vocab-sizes") + 1:][:4] == [
         "0", "4096", "--draft-vocab-from", answers]
-    assert by_name["choose K"][by_name["choose K"].index("--weight-layouts") + 1:][:2] == ["row_major", "onednn_packed"]
     for name in ("speed", *(f"eval {d}" for d in drafters)):  # the layout choose_k chose: every evaluation's
         assert "weight_layout=onednn_packed" in by_name[name], name
     assert not any("weight_layout" in a for a in by_name["train l2r_all"])  # training keeps its gradients' layout

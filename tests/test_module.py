@@ -12,7 +12,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from drafters import factory
 from drafters.tau import greedy_walk, teacher_forced_tau
-from drafters.training.datamodule import RegenDataModule, collate, write_meta, write_shard
+from drafters.training import blocks
+from drafters.training.datamodule import RegenDataModule, collate, sample_anchors, write_meta, write_shard
 from drafters.training.module import DrafterLightningModule
 from drafters.training.optim import warmup_cosine
 from losses import AcceptanceAlignedLoss
@@ -302,6 +303,25 @@ class NoHiddenStates(torch.nn.Module):
         return CausalLMOutputWithPast(logits=out.logits)
 
 
+def test_training_steps_draw_lookup_served_anchors_less_validation_alike(monkeypatch):
+    """module.lookup_anchor_weight reaches the training step's anchor draw (issue 74 item 6), not validation's."""
+    target = make_target()
+    module = make_module(target)
+    module.lookup_anchor_weight = 0.2
+    drawn = []
+
+    def recording(*args):
+        drawn.append(args[-1])
+        return sample_anchors(*args)
+
+    monkeypatch.setattr(blocks, "sample_anchors", recording)
+    batch = collate([{"input_ids": [3, 4, 5, 3, 4, 6, 3, 4, 7], "prompt_len": 2}])
+    states = target(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states
+    module._blocks(batch, states, None, torch.Generator().manual_seed(0), weighted=True)  # a training step's
+    module._blocks(batch, states, None, torch.Generator().manual_seed(0))  # a validation step's
+    assert (drawn[0] < 1).nonzero()[:, 1].tolist() == [4, 7] and drawn[1] is None
+
+
 def test_bad_targets_and_drafters_are_refused():
     target = make_target()
     with pytest.raises(ValueError, match="hidden_states"):
@@ -315,6 +335,8 @@ def test_bad_targets_and_drafters_are_refused():
         DrafterLightningModule(drafter, make_target(), AcceptanceAlignedLoss(), torch.optim.AdamW)
     with pytest.raises(ValueError, match="num_anchors"):
         DrafterLightningModule(drafter, target, AcceptanceAlignedLoss(), torch.optim.AdamW, num_anchors=0)
+    with pytest.raises(ValueError, match="module.lookup_anchor_weight <= 1"):
+        DrafterLightningModule(drafter, target, AcceptanceAlignedLoss(), torch.optim.AdamW, lookup_anchor_weight=0.0)
 
 
 def test_choose_k_tree_replays_each_tree_and_hybrid_setting(greedy_data, trained):

@@ -207,6 +207,21 @@ def lookup_start(seq: torch.Tensor, max_ngram: int, min_ngram: int = 1) -> int:
     return length - 1
 
 
+def recurring_suffixes(ids: Sequence[int], min_ngram: int) -> list[bool]:
+    """Per column a of ``ids`` (L,): whether the ``min_ngram`` tokens ending at a occur earlier, ending before a:
+    where a hybrid (:class:`drafters.tree.TreeDrafter`, ``lookup_min_match``) drafts by lookup from an anchor at a
+    (:func:`lookup_paths` finds an n >= ``min_ngram``). Columns before the n-gram fits are False."""
+    if min_ngram < 1:
+        raise ValueError(f"min_ngram must be >= 1, got {min_ngram}")
+    ids, seen, out = [int(t) for t in ids], set(), []
+    for a in range(len(ids)):
+        gram = tuple(ids[a - min_ngram + 1:a + 1]) if a >= min_ngram - 1 else None
+        out.append(gram in seen)  # seen: the n-grams ending before a
+        if gram is not None:
+            seen.add(gram)
+    return out
+
+
 def copy_tokens(seq: torch.Tensor, start: int, k: int) -> torch.Tensor:
     """``k`` tokens copied from ``seq[start:]`` (L,), continuing into the copy itself past the end
     (the pattern repeats with period L - start). Returns (k,) long."""

@@ -22,12 +22,15 @@ def sample_anchors(
     length: torch.Tensor,  # (B,) long, real tokens per row (prompt + response)
     num_anchors: int,
     generator: torch.Generator | None = None,
+    weights: torch.Tensor | None = None,  # (B, S) float in (0, 1], per column; None: all 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random block anchors in each row's response region, without replacement.
 
     Candidates of row b are the columns ``prompt_len[b] - 1 .. length[b] - 2``. Each row gets
     ``min(num_anchors, #candidates)`` distinct anchors drawn uniformly, sorted ascending and
-    followed by padding; the width is ``A = min(num_anchors, max_b #candidates)``.
+    followed by padding; the width is ``A = min(num_anchors, max_b #candidates)``. With ``weights``, a column is
+    drawn in proportion to its weight (without replacement: the ``A`` largest keys ``log(u) / w``, u uniform), so a
+    column of weight w adds w times as much to the loss in expectation.
     Returns ``anchors (B, A) long`` (0 at padding) and ``anchor_mask (B, A) bool`` (False = padding).
     Deterministic given ``generator`` (drawn on the CPU, moved to ``length``'s device).
     """
@@ -43,7 +46,13 @@ def sample_anchors(
     count = cand.sum(1)  # (B,)
     num = min(num_anchors, int(count.max()))
     scores = torch.rand(cand.shape, generator=generator)  # (B, S) in [0, 1)
-    scores = scores.masked_fill(~cand, -1.0)  # candidates always rank first
+    if weights is not None:
+        weights = weights.cpu().float()[:, :width]  # (B, S)
+        if weights.shape != cand.shape or not bool(((weights > 0) & (weights <= 1)).all()):
+            raise ValueError(f"anchor weights must be (B, S) = {tuple(cand.shape)} in (0, 1], got "
+                             f"{tuple(weights.shape)} in [{float(weights.min())}, {float(weights.max())}]")
+        scores = scores.clamp(min=1e-12).log() / weights  # (B, S) <= 0; weighted sampling without replacement
+    scores = scores.masked_fill(~cand, -float("inf") if weights is not None else -1.0)  # candidates rank first
     picked = scores.topk(num, dim=1).indices  # (B, A), candidates first
     anchor_mask = torch.arange(num).unsqueeze(0) < count.unsqueeze(1)  # (B, A)
     anchors = picked.masked_fill(~anchor_mask, width).sort(dim=1).values.masked_fill(~anchor_mask, 0)

@@ -13,6 +13,7 @@ from torch import nn
 
 from drafters.training.datamodule import sample_anchors
 from drafters.training.vocab import TrainVocab, remap_labels
+from verify.lookup import recurring_suffixes
 
 
 def slot_positions(anchors: torch.Tensor, num_slots: int, seq_len: int) -> torch.Tensor:
@@ -47,6 +48,7 @@ def select_blocks(
     generator: torch.Generator,
     soft: bool = False,
     vocab: TrainVocab | None = None,
+    anchor_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Drafter logits and labels of the blocks that have labels: (N, K, V), (N, K), (N, K), probs.
 
@@ -58,9 +60,10 @@ def select_blocks(
     vocabulary (:class:`drafters.training.vocab.TrainVocab`): logits (N, K, V' + R) over the candidates and R sampled
     negatives, labels as candidate indices, each block's labels cut at its first one outside; soft labels are
     then the target's distribution over those same columns (renormalised there, as the drafter's is).
+    ``anchor_weights`` (B, S): the anchors drawn in proportion to them (:func:`lookup_anchor_weights`).
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], num_anchors, generator)
+    anchors, amask = sample_anchors(batch["prompt_len"], batch["length"], num_anchors, generator, anchor_weights)
     columns = None if vocab is None else vocab.columns(generator)  # (V' + R,)
     extra = {} if columns is None else {"vocab_ids": columns}
     logits = drafter.forward_train(states, ids, None, anchors, amask, attn, batch["prompt_len"], **extra)  # (B,A,K,V)
@@ -78,6 +81,18 @@ def select_blocks(
         target_probs = slot_target_logits(drafter, batch, target_logits, rows.unsqueeze(-1), cols,
                                           columns).float().softmax(-1)  # (N, K, V or V' + R)
     return select(logits), select(labels), select(mask), target_probs
+
+
+def lookup_anchor_weights(batch: dict[str, torch.Tensor], weight: float, min_match: int) -> torch.Tensor:
+    """(B, S) float: ``weight`` at the columns a hybrid would draft by prompt lookup from (the row's last
+    ``min_match`` tokens recur earlier in it: :func:`verify.lookup.recurring_suffixes`), 1 elsewhere. A drafter
+    trained with these anchor weights learns less of what lookup serves in the hybrid."""
+    ids, length = batch["input_ids"].cpu(), batch["length"].cpu()
+    out = torch.ones(ids.shape)  # (B, S)
+    for row, (tokens, n) in enumerate(zip(ids, length.tolist())):
+        served = torch.tensor(recurring_suffixes(tokens[:n].tolist(), min_match) + [False] * (ids.shape[1] - n))
+        out[row, served] = weight
+    return out
 
 
 def slot_target_logits(drafter: nn.Module, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None,

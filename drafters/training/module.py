@@ -26,7 +26,7 @@ from drafters.config import accepts_argument
 from drafters.factory import check_same_config
 from drafters.tau import batch_tau_counts
 from drafters.training.batching import SOURCE_ROWS
-from drafters.training.blocks import run_target, select_blocks, slot_stats
+from drafters.training.blocks import lookup_anchor_weights, run_target, select_blocks, slot_stats
 from drafters.training.compat import register_output_recording, strip_output_capturing_hooks
 from drafters.training.optim import warmup_cosine, weight_decay_groups
 from drafters.training.validation import ValidationSums
@@ -60,6 +60,9 @@ class DrafterLightningModule(L.LightningModule):
             :mod:`drafters.training.vocab`; set by :meth:`set_train_vocab`); None = the full vocabulary. Validation
             and drafting always use the full vocabulary.
         train_vocab_negatives: ids outside the candidate vocabulary scored each step (a sampled softmax).
+        lookup_anchor_weight: training anchors where a hybrid would draft by prompt lookup instead (the row's last
+            ``lookup_min_match`` tokens recur in it) are drawn this much less often, in (0, 1]; 1 = uniform
+            (:func:`drafters.training.blocks.lookup_anchor_weights`). Validation draws every anchor alike.
     """
 
     def __init__(
@@ -74,10 +77,15 @@ class DrafterLightningModule(L.LightningModule):
         seed: int = 0,
         train_vocab_size: int | None = None,
         train_vocab_negatives: int = 0,
+        lookup_anchor_weight: float = 1.0,
+        lookup_min_match: int = 2,
     ):
         super().__init__()
         if num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+        if not 0 < lookup_anchor_weight <= 1 or lookup_min_match < 1:
+            raise ValueError(f"need 0 < module.lookup_anchor_weight <= 1 and module.lookup_min_match >= 1, got "
+                             f"{lookup_anchor_weight} and {lookup_min_match}")
         if getattr(drafter, "_target", None) is not None and drafter.target is not target:
             raise ValueError("the drafter is attached to a different target than the one given")
         self.drafter, self.loss = drafter, loss
@@ -88,6 +96,7 @@ class DrafterLightningModule(L.LightningModule):
         self.val_sums: ValidationSums | None = None  # made by the first validation step (loss components)
         self.train_vocab_size, self.train_vocab_negatives = train_vocab_size, train_vocab_negatives
         self.train_vocab: TrainVocab | None = None
+        self.lookup_anchor_weight, self.lookup_min_match = float(lookup_anchor_weight), int(lookup_min_match)
 
     def __getstate__(self) -> dict:
         strip_output_capturing_hooks(self.target)  # picklable for ddp_spawn
@@ -120,11 +129,13 @@ class DrafterLightningModule(L.LightningModule):
         """The candidate vocabulary (V',) of the training loss (:func:`drafters.training.vocab.frequent_tokens`)."""
         self.train_vocab = TrainVocab.build(vocab_ids, self.drafter.vocab_size, self.train_vocab_negatives)
 
-    def _blocks(self, batch, states, target_logits, generator, vocab=None):
+    def _blocks(self, batch, states, target_logits, generator, vocab=None, weighted=False):
         if vocab is not None:
             vocab = vocab.to(self.device)
+        weights = (lookup_anchor_weights(batch, self.lookup_anchor_weight, self.lookup_min_match)
+                   if weighted and self.lookup_anchor_weight < 1 else None)
         return select_blocks(self.drafter, batch, states, target_logits, self.num_anchors, generator,
-                             soft=getattr(self.loss, "soft", False), vocab=vocab)
+                             soft=getattr(self.loss, "soft", False), vocab=vocab, anchor_weights=weights)
 
     # ---- training and validation ----------------------------------------------------------------
 
@@ -134,7 +145,7 @@ class DrafterLightningModule(L.LightningModule):
             raise ValueError("module.train_vocab_size is set but no candidate vocabulary was given (set_train_vocab)")
         logits, labels, mask, target_probs = self._blocks(batch, states, target_logits,
                                                           self._generator(self.global_step, self.global_rank),
-                                                          self.train_vocab)
+                                                          self.train_vocab, weighted=True)
         loss, components = self.loss(logits, labels, mask, target_probs)
         self._check_finite_loss(loss, batch, batch_idx)
         bsz = batch["input_ids"].shape[0]

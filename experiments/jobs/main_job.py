@@ -160,6 +160,9 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
         args += ["--tree", f"{name}={blocks[name]}"]
     if spec.get("trees") and spec.get("tree_vocab_size"):
         args += ["--tree-vocab-size", str(spec.tree_vocab_size)]
+    for key in ("tree_budgets", "hybrid_matches", "hybrid_depths"):  # the tree grid (choose_k's defaults where unset)
+        if spec.get("trees") and spec.get(key):
+            args += [f"--{key.replace('_', '-')}", *map(str, spec[key])]
     if not out.is_file():  # a resumed job keeps the K it chose
         stage("choose K", "experiments.pipeline.choose_k", args, log)
     chosen = json.loads(out.read_text())
