@@ -31,9 +31,20 @@ data_dir=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["data
   --tree-vocab-size 4096 --draft-vocab-from experiments/assets/sharegpt_answers \
   --tree shipped=experiments/assets/l2r_all_long --tree "plain=$runs/plain/drafter" \
   --tree "weighted=$runs/weighted/drafter" --out "$runs/choose.json"
-python3 - "$runs/choose.json" <<'PY'
+python3 - "$runs" <<'PY'  # <runs>/summary.json: τ per drafter and setting, the runs' held-out metrics; no machine paths
 import json, sys
-tree = json.load(open(sys.argv[1]))["tree"]
-for name, result in tree.items():
-    print(name, {s: r["tau"] for s, r in result["by_setting"].items()})
+from pathlib import Path
+runs = Path(sys.argv[1])
+choose = json.loads((runs / "choose.json").read_text().replace(str(runs.resolve()), "<runs>").replace(str(runs), "<runs>"))
+summary = {"rows": choose["rows"], "machine": choose["machine"], "config": choose["config"],
+           "tau": {name: {s: r["tau"] for s, r in result["by_setting"].items()} for name, result in choose["tree"].items()},
+           "by_setting": {name: result["by_setting"] for name, result in choose["tree"].items()},
+           "training": {run: {k: v for k, v in json.loads((runs / run / "train_summary.json").read_text()).items()
+                              if k in ("steps", "train_seconds", "val", "overrides", "precision")}
+                        for run in ("plain", "weighted")}}
+text = json.dumps(summary, indent=1).replace(str(runs.resolve()), "<runs>").replace(str(runs), "<runs>")
+text = text.replace(str(Path.cwd()) + "/", "")  # the repository's own paths, relative
+(runs / "summary.json").write_text(text + "\n")
+for name, taus in summary["tau"].items():
+    print(name, taus)
 PY
