@@ -210,7 +210,8 @@ def lookup_start(seq: torch.Tensor, max_ngram: int, min_ngram: int = 1) -> int:
 def recurring_suffixes(ids: Sequence[int], min_ngram: int) -> list[bool]:
     """Per column a of ``ids`` (L,): whether the ``min_ngram`` tokens ending at a occur earlier, ending before a:
     where a hybrid (:class:`drafters.tree.TreeDrafter`, ``lookup_min_match``) drafts by lookup from an anchor at a
-    (:func:`lookup_paths` finds an n >= ``min_ngram``). Columns before the n-gram fits are False."""
+    (:func:`lookup_paths` finds an n >= ``min_ngram``, for ``min_ngram`` up to its ``max_ngram``, 3 in the hybrid).
+    Columns before the n-gram fits are False."""
     if min_ngram < 1:
         raise ValueError(f"min_ngram must be >= 1, got {min_ngram}")
     ids, seen, out = [int(t) for t in ids], set(), []
