@@ -6,7 +6,8 @@
 #   plain     module.lookup_anchor_weight=1       every anchor alike
 #   weighted  module.lookup_anchor_weight=WEIGHT  anchors the hybrid serves by lookup (m = 2) drawn WEIGHT as often
 # then both, and the shipped drafter, replayed on the held-out answers (experiments.pipeline.choose_k on 128 rows:
-# the best-first tree of N = 4 and the hybrid N = 4, m = 2, K = 10, the main job's choice) into <runs>/choose.json.
+# the best-first tree of N = 4 and the hybrid N = 4, m = 2, K = 10, session 75's choice) into <runs>/choose.json, and
+# <runs>/summary.json without machine paths (committed as experiments/results/tree_hybrid/hybrid_drafter.json).
 # Resumable: run it again. Usage, from the repository root:
 #   RUNS=<dir> [STEPS=2000 LR=1e-4 WEIGHT=0.1 PYTHON=.venv/bin/python] bash experiments/hybrid_drafter.sh
 set -euo pipefail
