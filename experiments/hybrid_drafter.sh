@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python}" runs="${RUNS:?RUNS=<a folder for the two runs>}"
-export PYTHONPATH=. HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+export BLOCKDRAFT_RUNS="$runs" PYTHONPATH=. HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 mkdir -p "$runs"
 for run in plain weighted; do
   weight=1.0; [[ $run == weighted ]] && weight="${WEIGHT:-0.1}"
@@ -32,20 +32,27 @@ data_dir=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["data
   --tree-vocab-size 4096 --draft-vocab-from experiments/assets/sharegpt_answers \
   --tree shipped=experiments/assets/l2r_all_long --tree "plain=$runs/plain/drafter" \
   --tree "weighted=$runs/weighted/drafter" --out "$runs/choose.json"
-python3 - "$runs" <<'PY'  # <runs>/summary.json: τ per drafter and setting, the runs' held-out metrics; no machine paths
+"$py" - "$runs" <<'PY'  # <runs>/summary.json: τ per drafter and setting, the runs' held-out metrics, paths portable
 import json, sys
 from pathlib import Path
+from experiments.pipeline.paths import portable_override, portable_value
+
+def portable(value):  # every path the records name, as committed records write them ($BLOCKDRAFT_RUNS/..., relative)
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    return (portable_override(value) if "=" in value else portable_value(value)) if isinstance(value, str) else value
+
 runs = Path(sys.argv[1])
-choose = json.loads((runs / "choose.json").read_text().replace(str(runs.resolve()), "<runs>").replace(str(runs), "<runs>"))
+choose = json.loads((runs / "choose.json").read_text())
 summary = {"rows": choose["rows"], "machine": choose["machine"], "config": choose["config"],
            "tau": {name: {s: r["tau"] for s, r in result["by_setting"].items()} for name, result in choose["tree"].items()},
            "by_setting": {name: result["by_setting"] for name, result in choose["tree"].items()},
            "training": {run: {k: v for k, v in json.loads((runs / run / "train_summary.json").read_text()).items()
                               if k in ("steps", "train_seconds", "val", "overrides", "precision")}
                         for run in ("plain", "weighted")}}
-text = json.dumps(summary, indent=1).replace(str(runs.resolve()), "<runs>").replace(str(runs), "<runs>")
-text = text.replace(str(Path.cwd()) + "/", "")  # the repository's own paths, relative
-(runs / "summary.json").write_text(text + "\n")
+(runs / "summary.json").write_text(json.dumps(portable(summary), indent=1) + "\n")
 for name, taus in summary["tau"].items():
     print(name, taus)
 PY
