@@ -29,8 +29,8 @@ from drafters.training.blocks import run_target, slot_positions
 @torch.no_grad()
 def anchor_acceptance(
     drafter,
-    hidden_states: Sequence[torch.Tensor],  # full HF tuple, each (B, S, H)
-    target_logits: torch.Tensor,  # (B, S, V)
+    hidden_states: Sequence[torch.Tensor] | torch.Tensor,  # full HF tuple, each (B, S, H), or cached (B, S, L*H)
+    target_logits: torch.Tensor | None,  # (B, S, V); None (with ref): no soft acceptance
     input_ids: torch.Tensor,  # (B, S) long, right-padded
     attention_mask: torch.Tensor,  # (B, S)
     prompt_len: torch.Tensor,  # (B,) long
@@ -44,46 +44,50 @@ def anchor_acceptance(
 
     Returns, indexed by anchor column (B, S): ``lead`` (long, the number of leading drafts equal to
     the target's greedy tokens, counting only slots inside the sequence), ``soft`` (float,
-    1 + Σ_k Π_{j≤k} p_target(d_j)) and ``valid`` (bool, the anchor columns prompt_len-1..length-2).
+    1 + Σ_k Π_{j≤k} p_target(d_j); None without ``target_logits``) and ``valid`` (bool, the anchor columns
+    prompt_len-1..length-2). With ``vocab`` the drafter's head scores only those ids.
     """
+    if target_logits is None and ref is None:
+        raise ValueError("anchor_acceptance needs the target's logits or the reference tokens ref")
     bsz, seq = input_ids.shape
     k_slots = drafter.config.block_size - 1 if width is None else width
     ref = target_logits.argmax(-1) if ref is None else ref  # (B, S): the target's greedy token for column c + 1
-    lse = torch.stack([row.float().logsumexp(-1) for row in target_logits])  # (B, S)
+    lse = None if target_logits is None else torch.stack([row.float().logsumexp(-1) for row in target_logits])
     # One spare column (index S) receives the padding anchors' values and is dropped at the end.
     lead = torch.zeros(bsz, seq + 1, dtype=torch.long, device=input_ids.device)
     soft = torch.zeros(bsz, seq + 1, dtype=torch.float32, device=input_ids.device)
     valid = torch.zeros(bsz, seq + 1, dtype=torch.bool, device=input_ids.device)
     rows = torch.arange(bsz, device=input_ids.device).view(bsz, 1, 1)
     for anchors, amask, logits in anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len,
-                                                length, chunk, width):
-        logits = logits[:, :, :k_slots]  # (B, A, K, V)
-        drafts = logits.argmax(-1) if vocab is None else vocab[logits[..., vocab].argmax(-1)]  # (B, A, K)
+                                                length, chunk, width, vocab):
+        logits = logits[:, :, :k_slots]  # (B, A, K, V), or (B, A, K, V') over vocab
+        drafts = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]  # (B, A, K)
         cols = slot_positions(anchors, k_slots, seq)  # (B, A, K)
         inside = (anchors.unsqueeze(-1) + torch.arange(1, k_slots + 1, device=anchors.device)
                   < length.view(bsz, 1, 1)) & amask.unsqueeze(-1)  # (B, A, K): column a+k is a token
         match = (drafts == ref.gather(1, cols.view(bsz, -1)).view_as(drafts)) & inside
-        p = (target_logits[rows, cols, drafts].float() - lse.gather(1, cols.view(bsz, -1)).view_as(cols)).exp()
-        block_soft = 1 + (p * inside).cumprod(-1).sum(-1)  # (B, A)
         block_lead = match.long().cumprod(-1).sum(-1)  # (B, A)
         where = anchors.masked_fill(~amask, seq)  # (B, A)
         lead.scatter_(1, where, block_lead)
-        soft.scatter_(1, where, block_soft)
         valid.scatter_(1, where, amask)
-    return lead[:, :seq], soft[:, :seq], valid[:, :seq]
+        if lse is not None:
+            p = (target_logits[rows, cols, drafts].float() - lse.gather(1, cols.view(bsz, -1)).view_as(cols)).exp()
+            soft.scatter_(1, where, 1 + (p * inside).cumprod(-1).sum(-1))  # (B, A)
+    return lead[:, :seq], None if lse is None else soft[:, :seq], valid[:, :seq]
 
 
 def anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len, length, chunk: int = 64,
-                  width: int | None = None):
+                  width: int | None = None, vocab: torch.Tensor | None = None):
     """Yield ``(anchors (B, A) long, amask (B, A) bool, logits (B, A, K', V))``: the drafter's slot logits of a
-    block anchored at every response column (prompt_len - 1 .. length - 2), ``chunk`` anchors per forward."""
+    block anchored at every response column (prompt_len - 1 .. length - 2), ``chunk`` anchors per forward; over
+    the candidate ids ``vocab`` (V',) only if given ((B, A, K', V'), the head's product over their rows)."""
     lo, count = prompt_len - 1, length - prompt_len  # first anchor column, anchors per row
     for start in range(0, int(count.max()), chunk):
         j = torch.arange(start, min(start + chunk, int(count.max())), device=input_ids.device)  # (A,)
         amask = j.unsqueeze(0) < count.unsqueeze(1)  # (B, A)
         anchors = (lo.unsqueeze(1) + j).masked_fill(~amask, 0)  # (B, A)
         yield anchors, amask, drafter.forward_train(hidden_states, input_ids, None, anchors, amask, attention_mask,
-                                                    width=width)
+                                                    vocab_ids=vocab, width=width)
 
 
 @torch.no_grad()
@@ -97,9 +101,9 @@ def anchor_top(drafter, hidden_states, input_ids, attention_mask, prompt_len, le
     values = torch.zeros(bsz, seq + 1, slots, k)
     ids = torch.zeros(bsz, seq + 1, slots, k, dtype=torch.long)
     for anchors, amask, logits in anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len,
-                                                length):
-        logits = logits[:, :, :slots].float()  # (B, A, W, V)
-        top_v, top_i = (logits if vocab is None else logits[..., vocab]).log_softmax(-1).topk(k, dim=-1)
+                                                length, vocab=vocab):
+        logits = logits[:, :, :slots].float()  # (B, A, W, V), or (B, A, W, V') over vocab
+        top_v, top_i = logits.log_softmax(-1).topk(k, dim=-1)
         where = anchors.masked_fill(~amask, seq).cpu()  # (B, A): padding anchors to the spare column
         values[torch.arange(bsz).unsqueeze(1), where] = top_v.cpu()
         ids[torch.arange(bsz).unsqueeze(1), where] = (top_i if vocab is None else vocab[top_i]).cpu()

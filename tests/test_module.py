@@ -144,13 +144,14 @@ def test_choose_k_replays_a_trained_drafter_at_each_verified_width(greedy_data, 
     """experiments.pipeline.choose_k's τ(W) equals the online τ under drafter.max_draft_tokens=W, from the whole
     vocabulary or a candidate one, and its draft timing covers each W."""
     from drafters.policy import DraftingPolicy, PolicyDrafter
-    from experiments.pipeline.choose_k import block_taus, choose_block, draft_ms
+    from experiments.pipeline.choose_k import block_taus, choose_block, draft_ms, held_out_passes
 
     target, _, eval_ids, eval_mask = greedy_data
     drafter = trained[0].drafter.eval()
     prompts = [row[m.bool()].tolist() for row, m in zip(eval_ids, eval_mask)]
     rows = [(p + target_generate(target, torch.tensor([p]), max_new_tokens=NEW).new_tokens[0], len(p)) for p in prompts]
-    taus = block_taus(drafter, target, rows, [1, 2, drafter.num_draft_tokens], {0: None})[0]
+    passes = held_out_passes(target, rows, drafter, {})
+    taus = block_taus(drafter, passes, rows, [1, 2, drafter.num_draft_tokens], {0: None})[0]
     for w, tau in taus.items():
         policy = PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w))
         steps = sum(speculative_generate(target, policy, torch.tensor([ids[:cut]]), max_new_tokens=NEW).num_target_forwards
@@ -185,10 +186,8 @@ def test_choose_k_times_each_weight_layout_on_fresh_weights_and_keeps_the_taus(g
     trained[0].drafter.save_pretrained(tmp_path / "drafter")
     loaded = []
     monkeypatch.setattr(choose_k, "load_target", lambda path: loaded.append(copy.deepcopy(target)) or (loaded[-1], None))
-    replays, real_taus = [], choose_k.block_taus
-    monkeypatch.setattr(choose_k, "block_taus", lambda *a: replays.append(a[1]) or real_taus(*a))
-    tops, real_tops = [], choose_k.tree_tops
-    monkeypatch.setattr(choose_k, "tree_tops", lambda *a: tops.append(a[2]) or real_tops(*a))
+    passes, real_passes = [], choose_k.teacher_passes
+    monkeypatch.setattr(choose_k, "teacher_passes", lambda *a: passes.append(a[0]) or real_passes(*a))
     walks, real_walk = [], choose_k.tree_walk
     monkeypatch.setattr(choose_k, "tree_walk", lambda *a: walks.append(a[0].policy) or real_walk(*a))
     out = choose_k.main(["--data-dir", str(data_dir), "--target", "t", "--drafter", f"d={tmp_path / 'drafter'}",
@@ -198,7 +197,7 @@ def test_choose_k_times_each_weight_layout_on_fresh_weights_and_keeps_the_taus(g
                          "--weight-layouts", "row_major", "onednn_packed", "--out", str(tmp_path / "k.json")])
     assert len(loaded) == 2 and type(loaded[1].lm_head) is OneDNNPackedLinear and type(loaded[0].lm_head) is not \
         OneDNNPackedLinear  # one fresh target per layout
-    assert replays == [loaded[0]] and tops == [loaded[0]]  # τ replayed once, on the target as loaded
+    assert passes == [loaded[0]]  # the chain's τ and the tree's tops from one pass, on the target as loaded
     by_layout = out["by_layout"]
     trees = [by_layout[layout]["tree"]["d"]["by_setting"] for layout in by_layout]
     assert len(walks) == len(set(trees[0]) | set(trees[1])) >= 4  # each setting walked once, whatever the layouts

@@ -109,6 +109,30 @@ def test_greedy_answers_are_cached_and_evaluate_dispatches_t0(setup, tmp_path, m
     assert out["chat"]["t0"]["replayed"]
 
 
+def test_target_passes_are_kept_beside_the_answers(setup, tmp_path, monkeypatch):
+    """The target's teacher-forced passes over the greedy answers are kept beside them: a chain and a tree replayed
+    on the same answers read them back without a target forward and count what a fresh pass counts; a damaged file
+    is named and the target runs again."""
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
+    tok, target, drafters = setup
+    prompts, settings = _suites()["chat"], _settings(replay_greedy=True)
+
+    def counts(name):
+        out = replay.replay_suite(target, tok, drafters[name], prompts, suite="chat", temperature=0.0, settings=settings)
+        return [p["accepted_counts"] for p in out["prompts"]]
+
+    fresh = {name: counts(name) for name in ("block", "tree")}
+    [kept] = (tmp_path / "greedy").glob("chat-*.states-*.pt")
+    real = replay.run_target
+    monkeypatch.setattr(replay, "run_target", None)  # every pass must come from the file
+    assert {name: counts(name) for name in ("block", "tree")} == fresh
+    kept.write_bytes(kept.read_bytes()[:-100])
+    monkeypatch.setattr(replay, "run_target", real)
+    with pytest.warns(UserWarning, match=r"cached target passes .*states.*running the target again"):
+        assert counts("tree") == fresh["tree"]
+    assert counts("block") == fresh["block"]  # written again, sealed
+
+
 def test_greedy_answers_are_cached_per_weight_layout(setup, tmp_path, monkeypatch):
     """A layout's float rounding can flip a near-tied greedy token, so another layout's answers are decoded anew;
     row_major keeps the key it had before layouts existed (caches made then stay valid)."""

@@ -47,6 +47,7 @@ from experiments.pipeline.replay import (
     assistant_correct,
     block_leads_by_vocab,
     lookup_replay,
+    teacher_passes,
     tree_tops,
 )
 from experiments.pipeline.timing import prefill
@@ -77,10 +78,20 @@ def assistant_taus(model, rows, ks) -> dict[int, float]:
     return {k: tokens / n for k, n in steps.items()}
 
 
-def block_taus(drafter, target, rows, widths, vocabs: dict) -> dict:
+def held_out_passes(target, rows, drafter, passes: dict) -> list:
+    """The target's teacher-forced passes over ``rows`` with ``drafter``'s target layers
+    (:func:`experiments.pipeline.replay.teacher_passes`), made once per layers into ``passes`` and kept there."""
+    layers = tuple(drafter.target_layer_ids)
+    if layers not in passes:
+        passes[layers] = list(teacher_passes(target, rows, layers))
+    return passes[layers]
+
+
+def block_taus(drafter, passes: list, rows, widths, vocabs: dict) -> dict:
     """τ of a block drafter verifying its first W drafts (``drafter.max_draft_tokens`` = W), per W in ``widths`` and
-    per candidate vocabulary (``vocabs``: key -> ids (V',) or None for the whole vocabulary), one target pass for all."""
-    by_vocab, _ = block_leads_by_vocab(drafter, target, rows, list(vocabs.values()))
+    per candidate vocabulary (``vocabs``: key -> ids (V',) or None for the whole vocabulary), from the target's
+    ``passes`` over ``rows`` (:func:`held_out_passes`)."""
+    by_vocab, _ = block_leads_by_vocab(drafter, passes, list(vocabs.values()))
     tokens = sum(len(ids) - cut for ids, cut in rows)
     return {key: {w: tokens / sum(len(greedy_walk([min(n, w) for n in lead], cut, len(ids))[0])
                                   for lead, (ids, cut) in zip(leads, rows)) for w in widths}
@@ -111,13 +122,14 @@ def forward_ms(model, widths: list[int], rounds: int, context: int = 200, trees:
     masks = {w: _tree_mask_4d(w - 1, context, model.get_input_embeddings().weight.dtype, generator) if trees else {}
              for w in widths}
     times: dict[int, list[float]] = {w: [] for w in widths}
-    for _ in range(rounds):
+    for _ in range(rounds):  # one prefill a round; each timed forward is cropped off again, as a rejection is
+        cache = new_growing_kv_cache(model, context + max(widths))
+        model(input_ids=ids[:, :context], use_cache=True, **{cache_argument(model): cache})
         for w in widths:
-            cache = new_growing_kv_cache(model, context + w)
-            model(input_ids=ids[:, :context], use_cache=True, **{cache_argument(model): cache})
             t = time.perf_counter()
             model(input_ids=ids[:, context:context + w], use_cache=True, **masks[w], **{cache_argument(model): cache})
             times[w].append(1000 * (time.perf_counter() - t))
+            cache.crop(-w)
     return {w: statistics.median(v[1:] if len(v) > 1 else v) for w, v in times.items()}
 
 
@@ -144,7 +156,7 @@ def choose_block(drafter, target, rows, widths, vocabs: dict, target_ms: dict[in
     variants = {(w, n): PolicyDrafter(drafter, DraftingPolicy(max_draft_tokens=w), ids)
                 for n, ids in vocabs.items() for w in widths}
     ms = draft_ms(target, variants, rounds)
-    taus = taus or block_taus(drafter, target, rows, widths, vocabs)
+    taus = taus or block_taus(drafter, held_out_passes(target, rows, drafter, {}), rows, widths, vocabs)
     by_vocab = {n: choose(taus[n], {w: target_ms[w + 1] + ms[w, n] for w in widths}, target_ms[1]) for n in vocabs}
     best = max(by_vocab, key=lambda n: best_estimate(by_vocab[n]))
     return {**by_vocab[best], "chosen_vocab": best, "by_vocab": by_vocab}
@@ -212,7 +224,8 @@ def choose_tree(drafter, target, rows, vocab, policies: dict[str, TreePolicy], t
     policy."""
     block = PolicyDrafter(drafter, DraftingPolicy(), vocab)
     top_k = max(p.budget for p in policies.values())
-    tops = tops or tree_tops(drafter, vocab, target, rows, top_k, drafter.num_draft_tokens)[0]
+    tops = tops or tree_tops(drafter, vocab, held_out_passes(target, rows, drafter, {}), top_k,
+                             drafter.num_draft_tokens)[0]
     ms = {n: tree_draft_ms(target, TreeDrafter(block, None, TreePolicy(budget=n)), rounds)
           for n in sorted({p.budget for p in policies.values()})}
     tokens = sum(len(ids) - cut for ids, cut in rows)
@@ -251,15 +264,18 @@ def choose_all(args, rows, layout: str, replayed: dict) -> dict:
         if name not in replayed:
             vocabs = {n: candidate_vocab(target, n, args.draft_vocab_from or args.data_dir, Path(path)) if n else None
                       for n in args.draft_vocab_sizes}
-            replayed[name] = vocabs, block_taus(drafter, target, rows, ws, vocabs)
+            passes = held_out_passes(target, rows, drafter, replayed.setdefault("passes", {}))
+            replayed[name] = vocabs, block_taus(drafter, passes, rows, ws, vocabs)
         blocks[name] = drafter, ws, *replayed[name]
     for name, path in (item.split("=", 1) for item in args.tree):  # the trees' candidates and top tokens, once
         if f"tree:{name}" not in replayed:
             drafter = factory.load(path, target=target).eval()
             vocab = (candidate_vocab(target, args.tree_vocab_size, args.draft_vocab_from or args.data_dir, Path(path))
                      if args.tree_vocab_size else None)
-            tops = tree_tops(drafter, vocab, target, rows, max(args.tree_budgets), drafter.num_draft_tokens)[0]
+            passes = held_out_passes(target, rows, drafter, replayed.setdefault("passes", {}))
+            tops = tree_tops(drafter, vocab, passes, max(args.tree_budgets), drafter.num_draft_tokens)[0]
             replayed[f"tree:{name}"] = {"vocab": vocab, "tops": tops, "walks": {}}
+    replayed.pop("passes", None)  # the τ's and tops are made: their target passes are not needed again
     set_weight_layout(layout, target, assistant, *(block[0] for block in blocks.values()))
     target_ms = forward_ms(target, widths, args.rounds)
     result = {"target_ms": target_ms,

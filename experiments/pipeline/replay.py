@@ -14,8 +14,9 @@ the answer's next tokens. Per kind of drafter (:func:`leads`):
 :func:`replay_suite` turns a suite's greedy answers into the results entry that
 :func:`experiments.pipeline.evaluation.evaluate_suite` writes at T=0 (no speeds). The answers are decoded once
 per target, suite and decoding settings by target-only decoding, in the batches an evaluation uses, and cached
-under ``$BLOCKDRAFT_CACHE/greedy/`` (:func:`greedy_answers`), so an ablation's every drafter costs a drafter
-pass instead of a decoding run. A cached file is sealed when written (its sha256 beside it,
+under ``$BLOCKDRAFT_CACHE/greedy/`` (:func:`greedy_answers`), and the target's teacher-forced passes over them
+beside them (:func:`teacher_passes`), so an ablation's every drafter costs a drafter pass instead of a decoding
+run. A cached file is sealed when written (its sha256 beside it,
 :func:`drafters.storage.write_sealed_json`) and checked when read: an edited or truncated one is named, with both
 hashes, and decoded again. The numbers equal the online verifier's (tests/test_replay.py) up to the
 target's own float differences between batch shapes, which can flip a near-tied greedy token.
@@ -23,15 +24,16 @@ target's own float differences between batch shapes, which can flip a near-tied 
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from drafters.checks import target_weights_sha1
 from drafters.policy import DraftingPolicy, PolicyDrafter
-from drafters.storage import DamagedFileError, read_sealed_json, write_sealed_json
+from drafters.storage import DamagedFileError, check_seal, read_sealed_json, seal_path, write_seal, write_sealed_json
 from drafters.tau import anchor_acceptance, anchor_top, greedy_walk
 from drafters.training.blocks import run_target
 from drafters.training.datamodule import collate
@@ -41,6 +43,7 @@ from experiments.data.prompts import left_pad
 from experiments.data.suites import Prompt, cache_dir
 from experiments.data.target import eos_token_ids
 from experiments.pipeline.assistant import leading_correct
+from experiments.pipeline.records import cpu_model
 from experiments.pipeline.suite_batches import start_decoding, suite_result, turn_batches
 from verify import AssistantDrafter, PromptLookupDrafter
 from verify.generate import target_generate
@@ -48,6 +51,9 @@ from verify.lookup import copy_tokens, lookup_start
 
 #: Answers of one turn: the token ids the target saw and wrote, and where its answer starts.
 Turn = tuple[list[int], int]
+#: The target's teacher-forced pass over a batch of turns (:func:`teacher_passes`): the right-padded batch, the
+#: hidden states of the drafter's target layers (B, S, L*H) and the answer tokens that differ from its argmax.
+Pass = tuple[dict, torch.Tensor, int]
 
 
 class _LookupLeads:
@@ -93,34 +99,83 @@ def assistant_leads(model: torch.nn.Module, ids: Sequence[int], k: int) -> list[
 
 
 def block_leads(drafter, target, turns: Sequence[Turn], batch_size: int = 4,
-                vocab: torch.Tensor | None = None) -> tuple[list[list[int]], int]:
-    """A block drafter's ``lead[a]`` on every turn (one teacher-forced target pass per batch of turns), drafting
-    from the candidate ids ``vocab`` (V',) if given, and the number of answer tokens that differ from the target's
-    argmax in that pass (its float noise; 0 normally)."""
-    leads, mismatches = block_leads_by_vocab(drafter, target, turns, [vocab], batch_size)
+                vocab: torch.Tensor | None = None, cache: Path | None = None) -> tuple[list[list[int]], int]:
+    """A block drafter's ``lead[a]`` on every turn (one teacher-forced target pass per batch of turns,
+    :func:`teacher_passes`), drafting from the candidate ids ``vocab`` (V',) if given, and the number of answer tokens
+    that differ from the target's argmax in that pass (its float noise; 0 normally)."""
+    passes = teacher_passes(target, turns, drafter.target_layer_ids, batch_size, cache)
+    leads, mismatches = block_leads_by_vocab(drafter, passes, [vocab])
     return leads[0], mismatches
 
 
 @torch.no_grad()
-def block_leads_by_vocab(drafter, target, turns: Sequence[Turn], vocabs: Sequence[torch.Tensor | None],
-                         batch_size: int = 4) -> tuple[list[list[list[int]]], int]:
+def block_leads_by_vocab(drafter, passes: Iterable[Pass],
+                         vocabs: Sequence[torch.Tensor | None]) -> tuple[list[list[list[int]]], int]:
     """:func:`block_leads` for each of ``vocabs`` (candidate ids (V',) or None: the whole vocabulary) from the same
-    target passes: ``leads[i]`` drafts from ``vocabs[i]``."""
-    device = next(target.parameters()).device
-    vocabs = [None if v is None else v.to(device) for v in vocabs]
+    target passes (:func:`teacher_passes`): ``leads[i]`` drafts from ``vocabs[i]``."""
     leads, mismatches = [[] for _ in vocabs], 0
-    for start in range(0, len(turns), batch_size):
-        batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in turns[start: start + batch_size]])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        out = run_target(target, batch)
+    for batch, states, wrong in passes:
         ids, length = batch["input_ids"], batch["length"]
         ref = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, S): the answer's token after column c
         for rows, vocab in zip(leads, vocabs):
-            lead, _, _ = anchor_acceptance(drafter, out.hidden_states, out.logits, ids, batch["attention_mask"],
-                                           batch["prompt_len"], length, ref=ref, vocab=vocab)
+            lead, _, _ = anchor_acceptance(drafter, states, None, ids, batch["attention_mask"], batch["prompt_len"],
+                                           length, ref=ref, vocab=None if vocab is None else vocab.to(ids.device))
             rows += [row[: n] for row, n in zip(lead.tolist(), length.tolist())]
-        mismatches += _argmax_mismatches(out.logits, batch)
+        mismatches += wrong
     return leads, mismatches
+
+
+def teacher_passes(target, turns: Sequence[Turn], layer_ids: Sequence[int], batch_size: int = 4,
+                   cache: Path | None = None) -> Iterator[Pass]:
+    """Per batch of ``batch_size`` turns: the right-padded batch (:func:`drafters.training.datamodule.collate`),
+    the target's hidden states of ``layer_ids`` in its teacher-forced pass over it ((B, S, L*H), the drafter's
+    cached-features layout) and the answer tokens that differ from its argmax there.
+
+    With ``cache`` (the greedy answers' file), the passes are kept beside it, sealed, one file per layer ids: every
+    drafter replayed on the same answers (a job's chains, trees and hybrids) then skips the target's passes. The file
+    is keyed by the answers' own key (target, weights, layout, prompts, settings), the layers, the batch size, torch
+    and the CPU, since those decide the floats; a damaged one is named and computed again."""
+    path = None if cache is None else cache.with_name(
+        f"{cache.stem}.states-{settings_hash(list(layer_ids), batch_size, torch.__version__, cpu_model())}.pt")
+    device = next(target.parameters()).device
+    batches = [{k: v.to(device) for k, v in collate([{"input_ids": ids, "prompt_len": cut}
+                                                     for ids, cut in turns[start: start + batch_size]]).items()}
+               for start in range(0, len(turns), batch_size)]
+    stored = _stored_passes(path, batches)
+    if stored is not None:
+        yield from ((batch, states.to(device), wrong) for batch, (states, wrong) in zip(batches, stored))
+        return
+    fresh = []
+    for batch in batches:
+        out = run_target(target, batch)
+        states = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)  # (B, S, L*H)
+        wrong = _argmax_mismatches(out.logits, batch)
+        if path is not None:
+            fresh.append((states.cpu(), wrong))
+        yield batch, states, wrong
+    if path is not None:
+        seal_path(path).unlink(missing_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        torch.save(fresh, tmp)
+        os.replace(tmp, path)
+        write_seal(path)
+
+
+def _stored_passes(path: Path | None, batches: list[dict]) -> list[tuple[torch.Tensor, int]] | None:
+    """The passes :func:`teacher_passes` kept in ``path``, if sealed and of these batches' shapes; else None (after a
+    one-line warning naming the file and why, unless there is none)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        check_seal(path, "cached target passes")
+        stored = torch.load(path, weights_only=True)
+        shapes = [tuple(b["input_ids"].shape) for b in batches]
+        if [tuple(states.shape[:2]) for states, _ in stored] != shapes:
+            raise DamagedFileError(f"cached target passes {path} are not of these batches {shapes}")
+        return stored
+    except (DamagedFileError, RuntimeError, ValueError, TypeError) as e:
+        warnings.warn(f"{e}; running the target again", stacklevel=3)
+        return None
 
 
 class TreeLeads:
@@ -143,32 +198,29 @@ class TreeLeads:
 
 
 @torch.no_grad()
-def tree_tops(block, vocab: torch.Tensor | None, target, turns: Sequence[Turn], k: int, slots: int,
-              batch_size: int = 4) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+def tree_tops(block, vocab: torch.Tensor | None, passes: Iterable[Pass], k: int,
+              slots: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Per turn, a block drafter's top ``k`` log-probabilities and tokens of its first ``slots`` slots at every
-    anchor ((S, slots, k) each; :func:`drafters.tau.anchor_top`), from one teacher-forced target pass per batch of
-    turns; and the target's argmax mismatches on the answers in those passes."""
-    device = next(target.parameters()).device
+    anchor ((S, slots, k) each; :func:`drafters.tau.anchor_top`), from the target's teacher-forced passes over the
+    turns (:func:`teacher_passes`); and the target's argmax mismatches on the answers in those passes."""
     tops, mismatches = [], 0
-    for start in range(0, len(turns), batch_size):
-        batch = collate([{"input_ids": ids, "prompt_len": cut} for ids, cut in turns[start : start + batch_size]])
-        batch = {key: v.to(device) for key, v in batch.items()}
-        out = run_target(target, batch)
-        values, ids = anchor_top(block, out.hidden_states, batch["input_ids"], batch["attention_mask"],
-                                 batch["prompt_len"], batch["length"], k, slots,
-                                 None if vocab is None else vocab.to(device))
+    for batch, states, wrong in passes:
+        values, ids = anchor_top(block, states, batch["input_ids"], batch["attention_mask"], batch["prompt_len"],
+                                 batch["length"], k, slots, None if vocab is None else vocab.to(states.device))
         tops += list(zip(values, ids))
-        mismatches += _argmax_mismatches(out.logits, batch)
+        mismatches += wrong
     return tops, mismatches
 
 
-def tree_leads(drafter: TreeDrafter, target, turns: Sequence[Turn]) -> tuple[list[TreeLeads], int]:
+def tree_leads(drafter: TreeDrafter, target, turns: Sequence[Turn],
+               cache: Path | None = None) -> tuple[list[TreeLeads], int]:
     """A tree drafter's ``lead`` per turn (:class:`TreeLeads`) and the target's argmax mismatches (block part only)."""
     if drafter.block is None:
         return [TreeLeads(drafter, ids, None) for ids, _ in turns], 0
-    slots = drafter.policy.drafter_width(drafter.block.num_draft_tokens)
-    tops, mismatches = tree_tops(drafter.block.drafter, drafter.block.draft_vocab, target, turns,
-                                 drafter.policy.budget, slots)
+    block = drafter.block.drafter
+    passes = teacher_passes(target, turns, block.target_layer_ids, cache=cache)
+    tops, mismatches = tree_tops(block, drafter.block.draft_vocab, passes, drafter.policy.budget,
+                                 drafter.policy.drafter_width(drafter.block.num_draft_tokens))
     return [TreeLeads(drafter, ids, top) for (ids, _), top in zip(turns, tops)], mismatches
 
 
@@ -191,14 +243,15 @@ def _block_width(drafter: PolicyDrafter) -> int:
     return drafter.num_draft_tokens if policy.max_draft_tokens is None else policy.max_draft_tokens
 
 
-def leads(drafter, target, turns: Sequence[Turn]) -> tuple[list[Sequence[int]], int]:
+def leads(drafter, target, turns: Sequence[Turn], cache: Path | None = None) -> tuple[list[Sequence[int]], int]:
     """``lead`` per turn for any drafter :mod:`experiments.pipeline.eval_drafters` builds, capped at the
-    width it verifies; and the target's argmax mismatches on the answers (block drafters only; else 0)."""
+    width it verifies; and the target's argmax mismatches on the answers (block drafters only; else 0). ``cache``:
+    the answers' file, beside which the target's passes are kept (:func:`teacher_passes`)."""
     if isinstance(drafter, TreeDrafter):
-        return tree_leads(drafter, target, turns)
+        return tree_leads(drafter, target, turns, cache)
     if isinstance(drafter, PolicyDrafter):
         width = _block_width(drafter)
-        rows, mismatches = block_leads(drafter.drafter, target, turns, vocab=drafter.draft_vocab)
+        rows, mismatches = block_leads(drafter.drafter, target, turns, vocab=drafter.draft_vocab, cache=cache)
         return [[min(n, width) for n in row] for row in rows], mismatches
     if isinstance(drafter, AssistantDrafter):
         return [assistant_leads(drafter.model, ids, drafter.num_draft_tokens) for ids, _ in turns], 0
@@ -221,11 +274,11 @@ def _answers_path(target, tokenizer, prompts: Sequence[Prompt], suite: str, sett
 
 @torch.no_grad()
 def greedy_answers(target, tokenizer, prompts: Sequence[Prompt], *, suite: str,
-                   settings) -> tuple[list[list[Turn]], int]:
+                   settings, path: Path | None = None) -> tuple[list[list[Turn]], int]:
     """Per prompt, per turn: the target's greedy answer as ``(ids, answer start)``, decoded target-only in the
-    batches and order an evaluation uses (later turns after the model's own answers), cached on disk; and how
-    many turns' prompts lost their first tokens to ``max_prompt_tokens``."""
-    path = _answers_path(target, tokenizer, prompts, suite, settings)
+    batches and order an evaluation uses (later turns after the model's own answers), cached on disk (``path``,
+    default :func:`_answers_path`); and how many turns' prompts lost their first tokens to ``max_prompt_tokens``."""
+    path = path or _answers_path(target, tokenizer, prompts, suite, settings)
     if path.is_file():
         cached = _cached_answers(path, prompts)
         if cached is not None:
@@ -266,9 +319,10 @@ def replay_suite(target, tokenizer, drafter, prompts: Sequence[Prompt], *, suite
     ``replay_argmax_mismatches`` (answer tokens the replay's target pass would not have chosen; see :func:`leads`)."""
     if temperature != 0:
         raise ValueError(f"replay_greedy replays temperature 0 only, got {temperature}")
-    answers, truncated = greedy_answers(target, tokenizer, prompts, suite=suite, settings=settings)
+    path = _answers_path(target, tokenizer, prompts, suite, settings)
+    answers, truncated = greedy_answers(target, tokenizer, prompts, suite=suite, settings=settings, path=path)
     flat = [turn for turns in answers for turn in turns]
-    lead_rows, mismatches = leads(drafter, target, flat)
+    lead_rows, mismatches = leads(drafter, target, flat, cache=path)
     per_turn = []
     for (ids, cut), lead in zip(flat, lead_rows, strict=True):
         accepted, kept = greedy_walk(lead, cut, len(ids))
