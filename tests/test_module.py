@@ -361,3 +361,22 @@ def test_choose_k_tree_replays_each_tree_and_hybrid_setting(greedy_data, trained
                     for ids, cut in rows)
         assert picked["by_setting"][name]["tau"] == pytest.approx(sum(len(i) - c for i, c in rows) / steps, abs=1e-4)
     assert picked["by_setting"]["tree_n4"]["tau"] >= picked["by_setting"]["tree_n2"]["tau"] > 1.0
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_choose_k_times_every_width_on_the_same_context(trees):
+    """choose_k's forward timing prefills once a round and crops each timed forward off again, so every width is
+    timed on a cache of exactly ``context`` columns, as a step after a rejection runs."""
+    from experiments.pipeline.choose_k import forward_ms
+
+    target = make_target().eval()
+    seen = []
+
+    def record(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen.append((kwargs["input_ids"].shape[1], cache.get_seq_length()))
+
+    target.register_forward_pre_hook(record, with_kwargs=True)
+    ms = forward_ms(target, [1, 3, 5], rounds=2, context=20, trees=trees)
+    assert seen == [(20, 0), (1, 20), (3, 20), (5, 20)] * 2
+    assert set(ms) == {1, 3, 5} and all(t > 0 for t in ms.values())
