@@ -35,14 +35,7 @@ data_dir=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["data
 "$py" - "$runs" <<'PY'  # <runs>/summary.json: τ per drafter and setting, the runs' held-out metrics, paths portable
 import json, sys
 from pathlib import Path
-from experiments.pipeline.paths import portable_override, portable_value
-
-def portable(value):  # every path the records name, as committed records write them ($BLOCKDRAFT_RUNS/..., relative)
-    if isinstance(value, dict):
-        return {k: portable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [portable(v) for v in value]
-    return (portable_override(value) if "=" in value else portable_value(value)) if isinstance(value, str) else value
+from experiments.pipeline.records import portable_argument  # paths as committed records write them
 
 runs = Path(sys.argv[1])
 choose = json.loads((runs / "choose.json").read_text())
@@ -52,7 +45,7 @@ summary = {"rows": choose["rows"], "machine": choose["machine"], "config": choos
            "training": {run: {k: v for k, v in json.loads((runs / run / "train_summary.json").read_text()).items()
                               if k in ("steps", "train_seconds", "val", "overrides", "precision")}
                         for run in ("plain", "weighted")}}
-(runs / "summary.json").write_text(json.dumps(portable(summary), indent=1) + "\n")
+(runs / "summary.json").write_text(json.dumps(portable_argument(summary), indent=1) + "\n")
 for name, taus in summary["tau"].items():
     print(name, taus)
 PY

@@ -152,10 +152,13 @@ def training_run_info(run_dir: str | Path) -> dict | None:
     return {"run_dir": str(run_dir.resolve()), "loss": loss_choice(run_dir), "name": name, "seed": config.get("seed")}
 
 
-def _portable_argument(value):
-    """A script argument with the paths it names written portably: a path, ``name=path`` or a list of them."""
+def portable_argument(value):
+    """A script argument (or a record of them) with the paths it names written portably: a path, ``name=path``, or a
+    list or dict of them."""
+    if isinstance(value, dict):
+        return {k: portable_argument(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_portable_argument(v) for v in value]
+        return [portable_argument(v) for v in value]
     if not isinstance(value, str):
         return value
     return portable_override(value) if "=" in value else portable_value(value)
@@ -208,6 +211,6 @@ def write_record(doc: dict, out: str | Path) -> dict:
     if "overrides" in doc:
         doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
     if isinstance(doc.get("config"), dict):  # a script's arguments: paths written as the overrides' are
-        doc["config"] = {k: _portable_argument(v) for k, v in doc["config"].items()}
+        doc["config"] = {k: portable_argument(v) for k, v in doc["config"].items()}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
