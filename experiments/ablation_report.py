@@ -18,7 +18,8 @@ With ``--long``, the long-budget ablation instead (``QUEUE=long``: ``<runs>/mult
   over ``uniform`` (``uniform_tree``), beside the paper's figures; ``ablation_long_5k/``, ``ablation_long_tree_5k/``:
   the same runs' 5K-step snapshots (T=0);
 * ``ablation_long_precision/``: l2r_all trained 5K steps in float32 and in bfloat16 from the same initialisation and
-  data order, the bfloat16 one's gain over the float32 one (issue 75's quality check).
+  data order, the bfloat16 one's gain over the float32 one, and ``quality.md``/``.json``: whether its intervals hold 0,
+  and the held-out τ of both (issue 75's quality check, :mod:`experiments.reporting.precision`).
 
 A part without runs is skipped and named, and so is an evaluation under way. Run it again as runs finish.
 """
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.reporting.budget_curve import budget_points, write_budget
+from experiments.reporting.precision import write_quality
 from experiments.reporting.runs import Run, find_results, load_runs, order_runs
 from experiments.reporting.sweep_curve import sweep_points, write_sweep_curve
 from experiments.reporting.write import write_report
@@ -84,6 +86,8 @@ def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool 
 # report folder -> (the evaluation folder of each ablation_long run, the baseline row)
 LONG_PARTS = {"ablation_long": ("eval", "uniform"), "ablation_long_tree": ("eval_tree", "uniform_tree"),
               "ablation_long_5k": ("eval_5k", "uniform"), "ablation_long_tree_5k": ("eval_tree_5k", "uniform_tree")}
+# the queue's precision-<trainer.precision>-s<seed> runs: the precision's name in the quality check
+PRECISION_NAMES = {"32": "float32", "bf16-mixed": "bfloat16"}
 
 
 def long_reports(runs: Path, out: Path) -> list[str]:
@@ -100,7 +104,10 @@ def long_reports(runs: Path, out: Path) -> list[str]:
         written.append(name)
     precision = _evaluated([d / "eval" for d in sorted(folder.glob("precision-*"))])
     if len(precision) >= 2:
-        _report(precision, out / "ablation_long_precision", ["l2r_all_bf16-mixed"], baseline="l2r_all_32")
+        _, report = _report(precision, out / "ablation_long_precision", ["l2r_all_bf16-mixed"], baseline="l2r_all_32")
+        trained = {(PRECISION_NAMES[d.name.split("-", 1)[1].rsplit("-s", 1)[0]], int(d.name.rsplit("-s", 1)[1])): d
+                   for d in folder.glob("precision-*-s*")}
+        write_quality(report, trained, out / "ablation_long_precision", "l2r_all_bf16-mixed")
         written.append("ablation_long_precision")
     print(f"[ablation_report] wrote {', '.join(written) or 'nothing'} under {out}", flush=True)
     return written

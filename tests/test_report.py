@@ -588,6 +588,11 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
             evaluation(f"{loss}-s{seed}", "eval_tree", f"{loss}_tree", loss, seed, doc)
         evaluation(f"precision-32-s{seed}", "eval", "l2r_all_32", "l2r_all", seed, uniform)
         evaluation(f"precision-bf16-mixed-s{seed}", "eval", "l2r_all_bf16-mixed", "l2r_all", seed, decay)
+        for run, taus in ((f"precision-32-s{seed}", (1.2, 1.50 + 0.02 * seed)),
+                          (f"precision-bf16-mixed-s{seed}", (1.2, 1.51 - 0.02 * seed))):
+            (folder / run / "logs").mkdir()
+            (folder / run / "logs" / "metrics.csv").write_text(
+                "step,val/tau_greedy\n" + "".join(f"{1000 * (i + 1)},{t}\n" for i, t in enumerate(taus)))
     out = tmp_path / "results"
     written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--long"])
     assert written == ["ablation_long", "ablation_long_tree", "ablation_long_precision"]  # no snapshot evaluated
@@ -599,3 +604,11 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     precision = json.loads((out / "ablation_long_precision" / "report.json").read_text())
     assert {c["config"] for c in precision["configurations"]} == {"l2r_all_32", "l2r_all_bf16-mixed"}
     assert "l2r_all_bf16-mixed" in precision["across_seeds"]["t0"][rp.MEAN]
+    quality = json.loads((out / "ablation_long_precision" / "quality.json").read_text())
+    code = quality["suites"]["code"]  # the decay doc keeps 1.5x the uniform one's tokens on code, seed by seed
+    assert code["gain"] == pytest.approx(0.5) and code["ci_low"] > 0 and not code["within"]
+    assert quality["seeds_pooled"] and quality["within_on_mean"] == quality["suites"][rp.MEAN]["within"]
+    held = quality["held_out"]
+    assert held["final"] == {"float32-s0": 1.5, "float32-s1": 1.52, "bfloat16-s0": 1.51, "bfloat16-s1": 1.49}
+    assert held["gap_by_seed"] == {"0": 0.01, "1": -0.03} and held["baseline_seed_spread"] == 0.02
+    assert (out / "ablation_long_precision" / "held_out.png").is_file()
