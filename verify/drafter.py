@@ -37,6 +37,7 @@ records them beside the accepted counts (:func:`verify.metrics.accepted_by_sourc
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -192,8 +193,6 @@ def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     Embeddings, final norm and LM head are copied too, so the copy is a cheap early-exit assistant
     that agrees with the full model more often than an unrelated model would.
     """
-    import copy
-
     config = copy.deepcopy(model.config)
     total = config.num_hidden_layers
     if not 1 <= num_layers <= total:
