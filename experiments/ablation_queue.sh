@@ -140,8 +140,12 @@ precision_job() {  # precision_job PRECISION SEED: l2r_all for 5K steps in train
 long_queue() {  # QUEUE=long: the paper's ablation at the long budget (issue 75), the pair with the earliest answer first,
   # then bfloat16's quality check (float32 against bfloat16, 5K steps, 2 seeds) where the CPU has bfloat16
   long_job uniform 0; long_job l2r_all 0
-  if "$py" -c "from experiments.pipeline.trainer import resolve_precision as r; import sys; sys.exit(r('auto') != 'bf16-mixed')"
-  then for seed in 0 1; do precision_job 32 "$seed"; precision_job bf16-mixed "$seed"; done; fi
+  local auto
+  if ! auto=$("$py" -c "from experiments.pipeline.trainer import resolve_precision as r; print(r('auto'))" 2>&1 | tail -1); then
+    echo "[queue $worker] the precision probe failed, so no bfloat16 quality check: $auto"
+  elif [[ "$auto" != bf16-mixed ]]; then
+    echo "[queue $worker] trainer.precision=auto is $auto on this CPU: no bfloat16 quality check"
+  else for seed in 0 1; do precision_job 32 "$seed"; precision_job bf16-mixed "$seed"; done; fi
   for seed in 0 1; do
     for loss in uniform l2r_all decay focal chain decay_focal; do long_job "$loss" "$seed"; done
   done

@@ -75,9 +75,13 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
 
 
 def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False,
-            baseline: str = "uniform") -> tuple[list[Run], dict]:
-    """Write the report of ``paths`` into ``out``; returns its runs and report.json's content."""
+            baseline: str = "uniform") -> tuple[list[Run], dict | None]:
+    """Write the report of ``paths`` into ``out``; returns its runs and report.json's content (None, the part skipped
+    and named, while no run of ``baseline`` is evaluated)."""
     runs = order_runs(load_runs(paths), order, baseline)
+    if baseline not in {r.config for r in runs} | {r.name for r in runs}:
+        print(f"[ablation_report] {out.name}: no evaluated {baseline} run yet, skipped", flush=True)
+        return runs, None
     report = write_report(runs, out, baseline=baseline, paper=paper)
     print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
     return runs, report
@@ -90,6 +94,34 @@ LONG_PARTS = {"ablation_long": ("eval", "uniform"), "ablation_long_tree": ("eval
 PRECISION_NAMES = {"32": "float32", "bf16-mixed": "bfloat16"}
 
 
+def precision_runs(folder: Path) -> dict[tuple[str, int], Path]:
+    """``{(precision, seed): run folder}`` of the ``precision-<trainer.precision>-s<seed>`` runs under ``folder``
+    trained and evaluated, of the seeds done in both precisions (a seed in one only would be paired with another)."""
+    runs = {}
+    for d in folder.glob("precision-*-s*"):
+        setting, seed = d.name.removeprefix("precision-").rsplit("-s", 1)
+        if setting not in PRECISION_NAMES:
+            raise ValueError(f"{d}: trainer.precision={setting} is not one of the quality check's "
+                             f"{sorted(PRECISION_NAMES)} (experiments/ablation_queue.sh's precision_job)")
+        if (d / "train_summary.json").is_file() and _evaluated([d / "eval"]):
+            runs[PRECISION_NAMES[setting], int(seed)] = d
+    both = {seed for _, seed in runs if all((name, seed) in runs for name in PRECISION_NAMES.values())}
+    return {key: d for key, d in sorted(runs.items()) if key[1] in both}
+
+
+def precision_report(folder: Path, out: Path) -> bool:
+    """The bfloat16 quality check's report and verdict (:func:`experiments.reporting.precision.write_quality`) from
+    the seeds both precisions finished and evaluated; False (named) while there is none."""
+    runs = precision_runs(folder)
+    if not runs:
+        print(f"[ablation_report] {out.name}: no seed trained and evaluated in both precisions yet, skipped", flush=True)
+        return False
+    _, report = _report([d / "eval" for d in runs.values()], out, ["l2r_all_bf16-mixed"], baseline="l2r_all_32")
+    if report is not None:
+        write_quality(report, runs, out, "l2r_all_bf16-mixed")
+    return report is not None
+
+
 def long_reports(runs: Path, out: Path) -> list[str]:
     """The long-budget ablation's reports (the module doc, ``--long``); returns the folders written."""
     folder, written = runs / "multirun" / "ablation_long", []
@@ -100,14 +132,9 @@ def long_reports(runs: Path, out: Path) -> list[str]:
             print(f"[ablation_report] {name}: fewer than two evaluated runs yet, skipped", flush=True)
             continue
         order = [f"{loss}_tree" if baseline.endswith("_tree") else loss for loss in ORDER]
-        _report(paths, out / name, order, paper=sub == "eval", baseline=baseline)
-        written.append(name)
-    precision = _evaluated([d / "eval" for d in sorted(folder.glob("precision-*"))])
-    if len(precision) >= 2:
-        _, report = _report(precision, out / "ablation_long_precision", ["l2r_all_bf16-mixed"], baseline="l2r_all_32")
-        trained = {(PRECISION_NAMES[d.name.split("-", 1)[1].rsplit("-s", 1)[0]], int(d.name.rsplit("-s", 1)[1])): d
-                   for d in folder.glob("precision-*-s*")}
-        write_quality(report, trained, out / "ablation_long_precision", "l2r_all_bf16-mixed")
+        if _report(paths, out / name, order, paper=sub == "eval", baseline=baseline)[1] is not None:
+            written.append(name)
+    if precision_report(folder, out / "ablation_long_precision"):
         written.append("ablation_long_precision")
     print(f"[ablation_report] wrote {', '.join(written) or 'nothing'} under {out}", flush=True)
     return written
@@ -131,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                          "experiments/ablation_queue.sh first")
     given = args.baselines if args.baselines is not None else sorted((runs / "baselines").glob("*/results.json"))
     baselines = _evaluated([Path(b).expanduser() for b in given])
-    _report(ablation + baselines, out / "ablation_smollm2", ORDER, paper=True)
-    written.append("ablation_smollm2")
+    if _report(ablation + baselines, out / "ablation_smollm2", ORDER, paper=True)[1] is not None:
+        written.append("ablation_smollm2")
     budget_runs = _evaluated([runs / "multirun" / "l2r_budget"])
     if budget_runs:
         trained_longer = budget_points(budget_runs, seeds=[0])  # the losses of the curve
@@ -145,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             print(f"[ablation_report] no evaluated run of experiment=l2r_sweep_{name} yet: skipped", flush=True)
             continue
         swept, report = _report(paths, out / f"sweep_{name}_smollm2", [loss])
+        if report is None:
+            continue
         write_sweep_curve(*sweep_points(swept, report, key), out / f"sweep_{name}_smollm2", key, loss=loss)
         written.append(f"sweep_{name}_smollm2")
     print(f"[ablation_report] wrote {', '.join(written)} under {out}", flush=True)

@@ -327,3 +327,19 @@ def test_the_check_runs_where_the_run_name_reads_hydras_choices(tmp_path, monkey
         assert list(runs.iterdir()) == []
     finally:
         runs.chmod(0o755)
+
+
+def test_a_drafter_and_its_snapshots_name_the_run_they_came_from(tmp_path):
+    """records.drafter_training_run: ``<run>/drafter`` and ``<run>/snapshots/step-<N>`` name ``<run>`` (its loss and
+    seed); a folder outside a training run names none."""
+    from experiments.pipeline.records import drafter_training_run
+
+    run = tmp_path / "decay-s1"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 1\nname: ablation_long-decay-s1\n")
+    (run / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      loss: decay\n")
+    for drafter in (run / "drafter", run / "snapshots" / "step-5000"):
+        info = drafter_training_run(drafter)
+        assert (info["loss"], info["seed"], info["name"]) == ("decay", 1, "ablation_long-decay-s1")
+    assert drafter_training_run(tmp_path / "elsewhere" / "drafter") is None
+    assert drafter_training_run(tmp_path / "other" / "snapshots" / "step-5000") is None

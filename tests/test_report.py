@@ -5,6 +5,7 @@ training curves, --names / --baseline, errors, and offline W&B logging."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -569,40 +570,59 @@ def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms():
 
 def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_path):
     """experiments.ablation_report --long: the queue's ablation_long runs, each evaluated as a chain (eval), a tree
-    (eval_tree) and at its 5K snapshot, give one report per kind with its own baseline row; the bfloat16 quality
-    check's runs (precision-*) make their own report, left out of the ablation's."""
+    (eval_tree) and at its 5K snapshot (eval_5k: the record names no training run, found from the snapshot's folder),
+    give one report per kind with its own baseline row; the bfloat16 quality check's runs (precision-*) make their own
+    report and verdict from the seeds trained and evaluated in both precisions; a part without its baseline is skipped."""
     from experiments import ablation_report
 
     folder = tmp_path / "runs" / "multirun" / "ablation_long"
 
-    def evaluation(run, sub, name, loss, seed, doc):
+    def evaluation(run, sub, name, loss, seed, doc, drafter=None):
         d = folder / run / sub
         d.mkdir(parents=True)
-        (d / "results.json").write_text(json.dumps(doc | {"drafter": {"name": name,
-                                                                      "training_run": {"loss": loss, "seed": seed}}}))
+        drafter = drafter or {"name": name, "training_run": {"loss": loss, "seed": seed}}
+        (d / "results.json").write_text(json.dumps(doc | {"drafter": drafter}))
+
+    def trained(run, seed, taus=None):
+        (folder / run / ".hydra").mkdir(parents=True, exist_ok=True)
+        (folder / run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: {run}\n")
+        (folder / run / "train_summary.json").write_text(json.dumps({"name": run, "steps": 10}))
+        if taus:
+            (folder / run / "logs").mkdir()
+            (folder / run / "logs" / "metrics.csv").write_text(
+                "step,val/tau_greedy\n" + "".join(f"{1000 * (i + 1)},{t}\n" for i, t in enumerate(taus)))
 
     for seed in (0, 1):
         uniform, decay = _docs(seed)
         for loss, doc in (("uniform", uniform), ("decay", decay)):
             evaluation(f"{loss}-s{seed}", "eval", loss, loss, seed, doc)
             evaluation(f"{loss}-s{seed}", "eval_tree", f"{loss}_tree", loss, seed, doc)
+            snapshot = folder / f"{loss}-s{seed}" / "snapshots" / "step-5000"
+            evaluation(f"{loss}-s{seed}", "eval_5k", loss, loss, seed, doc,
+                       {"name": loss, "path": str(snapshot), "training_run": None})
+            snapshot.mkdir(parents=True)
+            trained(f"{loss}-s{seed}", seed)
         evaluation(f"precision-32-s{seed}", "eval", "l2r_all_32", "l2r_all", seed, uniform)
         evaluation(f"precision-bf16-mixed-s{seed}", "eval", "l2r_all_bf16-mixed", "l2r_all", seed, decay)
-        for run, taus in ((f"precision-32-s{seed}", (1.2, 1.50 + 0.02 * seed)),
-                          (f"precision-bf16-mixed-s{seed}", (1.2, 1.51 - 0.02 * seed))):
-            (folder / run / "logs").mkdir()
-            (folder / run / "logs" / "metrics.csv").write_text(
-                "step,val/tau_greedy\n" + "".join(f"{1000 * (i + 1)},{t}\n" for i, t in enumerate(taus)))
+        trained(f"precision-32-s{seed}", seed, (1.2, 1.50 + 0.02 * seed))
+        trained(f"precision-bf16-mixed-s{seed}", seed, (1.2, 1.51 - 0.02 * seed))
+    evaluation("precision-32-s2", "eval", "l2r_all_32", "l2r_all", 2, _docs(2)[0])  # its bfloat16 twin not trained
+    trained("precision-32-s2", 2, (1.2, 1.9))
+    trained("precision-bf16-mixed-s2", 2, (1.2,))  # training: no train_summary.json
+    (folder / "precision-bf16-mixed-s2" / "train_summary.json").unlink()
     out = tmp_path / "results"
     written = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--long"])
-    assert written == ["ablation_long", "ablation_long_tree", "ablation_long_precision"]  # no snapshot evaluated
+    assert written == ["ablation_long", "ablation_long_tree", "ablation_long_5k", "ablation_long_precision"]
     chain = json.loads((out / "ablation_long" / "report.json").read_text())
     assert {c["config"] for c in chain["configurations"]} == {"uniform", "decay"}
     tree = json.loads((out / "ablation_long_tree" / "report.json").read_text())
     assert [c["config"] for c in tree["configurations"]][:2] == ["uniform_tree", "uniform_tree"]
     assert tree["across_seeds"]["t0"][rp.MEAN]["decay_tree"]["seeds"] == [0, 1]
+    snapshots = json.loads((out / "ablation_long_5k" / "report.json").read_text())
+    assert snapshots["across_seeds"]["t0"][rp.MEAN]["decay"]["seeds"] == [0, 1]
     precision = json.loads((out / "ablation_long_precision" / "report.json").read_text())
     assert {c["config"] for c in precision["configurations"]} == {"l2r_all_32", "l2r_all_bf16-mixed"}
+    assert sorted(c["seed"] for c in precision["configurations"]) == [0, 0, 1, 1]  # not seed 2: one precision only
     assert "l2r_all_bf16-mixed" in precision["across_seeds"]["t0"][rp.MEAN]
     quality = json.loads((out / "ablation_long_precision" / "quality.json").read_text())
     code = quality["suites"]["code"]  # the decay doc keeps 1.5x the uniform one's tokens on code, seed by seed
@@ -612,3 +632,7 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     assert held["final"] == {"float32-s0": 1.5, "float32-s1": 1.52, "bfloat16-s0": 1.51, "bfloat16-s1": 1.49}
     assert held["gap_by_seed"] == {"0": 0.01, "1": -0.03} and held["baseline_seed_spread"] == 0.02
     assert (out / "ablation_long_precision" / "held_out.png").is_file()
+    for seed in (0, 1):  # uniform's tree evaluations gone: that part is skipped, the others still written
+        shutil.rmtree(folder / f"uniform-s{seed}" / "eval_tree")
+    again = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "again"), "--long"])
+    assert again == ["ablation_long", "ablation_long_5k", "ablation_long_precision"]

@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drafters.config import accepts_argument
-from drafters.storage import BrokenSealError, check_seal_entry, seal_entry
+from drafters.storage import BrokenSealError, check_seal_entry, seal_entry, write_json_atomic
 
 META = "meta.json"
 SEALS = "part_seals"  # meta.json's seals of the parts: {file name: {sha256, size, mtime_ns}} (drafters.storage)
@@ -199,7 +199,7 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     if old.get("complete") and not todo:
         if unsealed:  # a cache from before seals, whole: sealed as it is now
             meta_now = {**old, SEALS: {**seals, **_seal(root, unsealed)}}
-            (root / META).write_text(json.dumps(meta_now, indent=1) + "\n")
+            write_json_atomic(root / META, meta_now)
         return root
     for i in todo:
         if _part(root, i).exists() or _part(root, i).with_suffix(".offsets.npy").exists():
@@ -207,7 +207,7 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
     meta["precision"] = precision
     redone = {path.name for i in todo for path in _files(_part(root, i))}
     seals = {name: entry for name, entry in seals.items() if name not in redone}  # kept through a killed run
-    (root / META).write_text(json.dumps({**meta, "complete": False, SEALS: seals}, indent=1) + "\n")
+    write_json_atomic(root / META, {**meta, "complete": False, SEALS: seals})  # a stop mid-write keeps the old one
     device = next(target.parameters()).device
     rows = [list(r[:max_length] if max_length else r) for r in input_ids]
     bar = tqdm(total=len(rows), initial=len(rows) - sum(spans[i][1] - spans[i][0] for i in todo),
@@ -221,7 +221,7 @@ def compute_features(target, input_ids: Sequence[Sequence[int]], out_dir: str | 
         _save_atomic(part, torch.cat(feats).numpy().astype(DTYPES[dtype]))
     bar.close()
     seals = {**seals, **_seal(root, sorted(set(todo) | set(unsealed)))}
-    (root / META).write_text(json.dumps({**meta, "complete": True, SEALS: seals}, indent=1) + "\n")
+    write_json_atomic(root / META, {**meta, "complete": True, SEALS: seals})
     return root
 
 

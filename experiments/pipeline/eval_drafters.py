@@ -38,7 +38,7 @@ from drafters.training.vocab import frequent_tokens
 from drafters.tree import TreeDrafter, TreePolicy
 from drafters.variants.hint_lookup import HintStore
 from experiments.pipeline.recorded_answers import RECORD, load_answers
-from experiments.pipeline.records import training_run_info
+from experiments.pipeline.records import drafter_training_run
 from verify import AssistantDrafter, CorpusLookupDrafter, NgramStore, PromptLookupDrafter
 from verify.hf import output_vocab_size
 
@@ -131,7 +131,7 @@ def block_drafter(target, path: str, name: str | None = None, confidence_thresho
         "weights_sha256": file_digest(sorted(directory.glob("*.safetensors"))),  # results resume only for these
         "edited_settings": edits,  # {key: {"recorded", "found"}}: config.json edited after saving, accepted
         "num_parameters": sum(p.numel() for p in drafter.parameters()),
-        "training_run": training_run_info(directory.parent),
+        "training_run": drafter_training_run(directory),
         "description": None,
     })
 

@@ -152,6 +152,13 @@ def training_run_info(run_dir: str | Path) -> dict | None:
     return {"run_dir": str(run_dir.resolve()), "loss": loss_choice(run_dir), "name": name, "seed": config.get("seed")}
 
 
+def drafter_training_run(drafter_dir: str | Path) -> dict | None:
+    """:func:`training_run_info` of the run a saved drafter came from: its folder's parent (``<run>/drafter``), or for
+    a snapshot along training (``<run>/snapshots/step-<N>``) the run two levels up."""
+    parent = Path(drafter_dir).parent
+    return training_run_info(parent) or (training_run_info(parent.parent) if parent.name == "snapshots" else None)
+
+
 def portable_argument(value):
     """A script argument (or a record of them) with the paths it names written portably: a path, ``name=path``, or a
     list or dict of them."""

@@ -218,6 +218,11 @@ def check_resume_settings(run_dir: Path, cfg: DictConfig) -> None:
     choices = {k: (v, _choices().get(k)) for k, v in (saved.get("choices") or {}).items() if v != _choices().get(k)}
     diffs = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
              for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    was = saved.get("precision")  # trainer.precision=auto resolves by the CPU: another one may resolve it otherwise
+    if was is not None and was != (now := feature_precision(cfg)):
+        raise ValueError(f"{run_dir} trained in {was} and would resume in {now} (trainer.precision="
+                         f"{cfg.trainer.get('precision')} on this CPU), with the other feature cache: resume it with "
+                         f"trainer.precision={'bf16-mixed' if was == 'bfloat16' else '32'}, or choose another name=")
     if diffs:
         raise ValueError(f"{run_dir} was trained with other settings; a resumed run keeps its loss, drafter, data "
                          f"and optimiser settings (only the budget, train.max_steps, may change)"
@@ -321,14 +326,15 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
     if _rank_zero():
         commit_hydra_records(run_dir)
-        storage.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg)})
+        storage.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg),
+                                                          "precision": feature_precision(cfg)})
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
         return {}
     export_drafter(run_dir / "checkpoints" / "last.ckpt", run_dir / "drafter",
                    getattr(module.drafter, "hint_store", None))
     summary = _summary(cfg, trainer, module, datamodule, saved, seconds)
-    (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    storage.write_json_atomic(run_dir / "train_summary.json", summary)  # its presence marks the run finished
     print(f"[train] {trainer.global_step} steps in {seconds:.0f} s; val {json.dumps(summary['val'])}; "
           f"drafter saved to {run_dir / 'drafter'}", flush=True)
     if cfg.get("evaluate") is not None and cfg.evaluate.get("enabled"):

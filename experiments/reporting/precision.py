@@ -30,9 +30,13 @@ def paired_gains(report: dict, config: str, key: str = "t0") -> dict[str, dict]:
         runs = [c["name"] for c in report["configurations"] if c["config"] == config]
         table = report["table"].get(key, {})
         cells = {suite: (by_run[runs[0]], "gain") for suite, by_run in table.items() if len(runs) == 1 and runs[0] in by_run}
-    return {suite: {"gain": cell[gain], "ci_low": cell["gain_ci_low"], "ci_high": cell["gain_ci_high"],
-                    "within": cell["gain_ci_low"] <= 0 <= cell["gain_ci_high"]}
-            for suite, (cell, gain) in cells.items() if cell.get(gain) is not None}
+    out = {}
+    for suite, (cell, gain) in cells.items():
+        low, high = cell.get("gain_ci_low"), cell.get("gain_ci_high")  # None without paired prompts
+        if cell.get(gain) is not None:
+            out[suite] = {"gain": cell[gain], "ci_low": low, "ci_high": high,
+                          "within": None if low is None or high is None else low <= 0 <= high}
+    return out
 
 
 def held_out_gaps(doc: Mapping[str, dict], baseline: str, candidate: str) -> dict:
@@ -53,8 +57,9 @@ def _markdown(quality: dict) -> str:
              f"`{quality['candidate']}` over `{quality['baseline']}` at T=0 (paired over prompts"
              f"{', seeds pooled' if quality['seeds_pooled'] else ''}); within: the 95% interval holds 0.", "",
              "| suite | gain | 95% interval | within |", "|---|---|---|---|"]
-    lines += [f"| {s} | {100 * c['gain']:+.1f}% | [{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | "
-              f"{'yes' if c['within'] else 'no'} |" for s, c in quality["suites"].items()]
+    lines += [f"| {s} | {100 * c['gain']:+.1f}% | " + ("no interval |" if c["within"] is None else
+              f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | {'yes' if c['within'] else 'no'} |")
+              for s, c in quality["suites"].items()]
     held = quality["held_out"]
     if held["final"]:
         spread = held["baseline_seed_spread"]

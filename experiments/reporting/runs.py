@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.pipeline.export import shipped_budget
-from experiments.pipeline.records import temperature_key, training_run_info
+from experiments.pipeline.records import drafter_training_run, temperature_key, training_run_info
 
 CURVE_METRIC = "val/tau_greedy"
 
@@ -104,17 +104,12 @@ def auto_name(path: Path, doc: dict) -> tuple[str, Any]:
     evaluated with ``drafter.name=...``, with its training run's seed), else the loss choice beside the results or
     of the drafter's training run, else the dir name."""
     drafter = doc.get("drafter") or {}
+    # the drafter's training run where its record lacks it (a snapshot evaluated before records found its run)
+    look_up = (drafter.get("training_run") or {}).get("seed") is None and drafter.get("path")
+    run = (drafter_training_run(drafter["path"]) if look_up else None) or drafter.get("training_run") or {}
     if drafter.get("name"):
-        return str(drafter["name"]), (drafter.get("training_run") or {}).get("seed")
-    info = training_run_info(path.parent) or {}
-    if info.get("loss"):
-        return info["loss"], info.get("seed")
-    info = (doc.get("drafter") or {}).get("training_run") or {}
-    if info.get("loss"):
-        return info["loss"], info.get("seed")
-    drafter_path = (doc.get("drafter") or {}).get("path")
-    if drafter_path and Path(drafter_path).parent.is_dir():
-        info = training_run_info(Path(drafter_path).parent) or {}
+        return str(drafter["name"]), run.get("seed")
+    for info in (training_run_info(path.parent) or {}, run):
         if info.get("loss"):
             return info["loss"], info.get("seed")
     return path.parent.name or str(path), None
