@@ -21,7 +21,9 @@ With ``--long``, the long-budget ablation instead (``QUEUE=long``: ``<runs>/mult
   data order, the bfloat16 one's gain over the float32 one, and ``quality.md``/``.json``: whether its intervals hold 0,
   and the held-out τ of both (issue 75's quality check, :mod:`experiments.reporting.precision`).
 
-A part without runs is skipped and named, and so is an evaluation under way. Run it again as runs finish.
+A part without runs (or without its baseline) is skipped and named, and so is an evaluation under way; in the long
+parts a run whose seed has no uniform run evaluated waits, named (a gain pairs runs of one seed). Run it again as runs
+finish.
 """
 
 from __future__ import annotations
@@ -122,12 +124,25 @@ def precision_report(folder: Path, out: Path) -> bool:
     return report is not None
 
 
+def _paired_seeds(trained: Sequence[Path], sub: str) -> list[Path]:
+    """The run folders among ``trained`` (``<loss>-s<seed>``) of the seeds whose ``uniform`` run has ``sub``
+    evaluated: a gain pairs a run with uniform's of its own seed, never another seed's. The rest are named."""
+    seed = {d: d.name.rsplit("-s", 1)[1] for d in trained}
+    done = {seed[d] for d in trained if d.name.startswith("uniform-s") and (d / sub / "results.json").is_file()
+            and complete(d / sub / "results.json")}
+    waiting = [d.name for d in trained if seed[d] not in done and (d / sub).is_dir()]
+    if waiting:
+        print(f"[ablation_report] {', '.join(waiting)} ({sub}): left out until uniform of that seed is", flush=True)
+    return [d for d in trained if seed[d] in done]
+
+
 def long_reports(runs: Path, out: Path) -> list[str]:
     """The long-budget ablation's reports (the module doc, ``--long``); returns the folders written."""
     folder, written = runs / "multirun" / "ablation_long", []
     trained = [d for d in sorted(folder.glob("*-s*")) if not d.name.startswith("precision-")]
     for name, (sub, baseline) in LONG_PARTS.items():
-        paths = _evaluated([d / sub for d in trained])
+        paired = _paired_seeds(trained, sub)
+        paths = _evaluated([d / sub for d in trained if d in paired])
         if len(paths) < 2:
             print(f"[ablation_report] {name}: fewer than two evaluated runs yet, skipped", flush=True)
             continue

@@ -572,7 +572,8 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     """experiments.ablation_report --long: the queue's ablation_long runs, each evaluated as a chain (eval), a tree
     (eval_tree) and at its 5K snapshot (eval_5k: the record names no training run, found from the snapshot's folder),
     give one report per kind with its own baseline row; the bfloat16 quality check's runs (precision-*) make their own
-    report and verdict from the seeds trained and evaluated in both precisions; a part without its baseline is skipped."""
+    report and verdict from the seeds trained and evaluated in both precisions; a run whose seed has no uniform run
+    evaluated is left out, and a part without its baseline is skipped."""
     from experiments import ablation_report
 
     folder = tmp_path / "runs" / "multirun" / "ablation_long"
@@ -606,6 +607,8 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
         evaluation(f"precision-bf16-mixed-s{seed}", "eval", "l2r_all_bf16-mixed", "l2r_all", seed, decay)
         trained(f"precision-32-s{seed}", seed, (1.2, 1.50 + 0.02 * seed))
         trained(f"precision-bf16-mixed-s{seed}", seed, (1.2, 1.51 - 0.02 * seed))
+    evaluation("decay-s2", "eval", "decay", "decay", 2, _docs(2)[1])  # uniform-s2 not trained: no gain to pair yet
+    trained("decay-s2", 2)
     evaluation("precision-32-s2", "eval", "l2r_all_32", "l2r_all", 2, _docs(2)[0])  # its bfloat16 twin not trained
     trained("precision-32-s2", 2, (1.2, 1.9))
     trained("precision-bf16-mixed-s2", 2, (1.2,))  # training: no train_summary.json
@@ -615,6 +618,7 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     assert written == ["ablation_long", "ablation_long_tree", "ablation_long_5k", "ablation_long_precision"]
     chain = json.loads((out / "ablation_long" / "report.json").read_text())
     assert {c["config"] for c in chain["configurations"]} == {"uniform", "decay"}
+    assert sorted(c["seed"] for c in chain["configurations"]) == [0, 0, 1, 1]  # not decay-s2
     tree = json.loads((out / "ablation_long_tree" / "report.json").read_text())
     assert [c["config"] for c in tree["configurations"]][:2] == ["uniform_tree", "uniform_tree"]
     assert tree["across_seeds"]["t0"][rp.MEAN]["decay_tree"]["seeds"] == [0, 1]
