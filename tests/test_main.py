@@ -29,11 +29,11 @@ def _run_with_fake_stages(cfg, tmp_path, monkeypatch) -> tuple[list, dict]:
                                                    '"chosen_layout": "onednn_packed"}')
         if module == "experiments.report":
             out = Path(overrides[-1])
-            out.mkdir()
+            out.mkdir(exist_ok=True)
             (out / "report.md").write_text("table\n")
 
     monkeypatch.setattr(main_job, "stage", fake_stage)
-    (tmp_path / "train" / "uniform").mkdir(parents=True)  # what the training stage records
+    (tmp_path / "train" / "uniform").mkdir(parents=True, exist_ok=True)  # what the training stage records
     (tmp_path / "train" / "uniform" / "train_summary.json").write_text('{"data_dir": "cache/regen/x/abc"}')
     return calls, main_job.run_main_job(cfg)
 
@@ -95,7 +95,7 @@ def test_the_main_job_names_its_experiment_and_measures_speed_at_batch_1(tmp_pat
 def _shipped(tmp_path) -> list[str]:
     """Overrides pointing conf/main.yaml's shipped drafters and assistant at stand-in folders."""
     for name in ("uniform_long", "l2r_all_long", "ar_assistant_smollm2"):
-        (tmp_path / "assets" / name).mkdir(parents=True)
+        (tmp_path / "assets" / name).mkdir(parents=True, exist_ok=True)
         (tmp_path / "assets" / name / "config.json").write_text("{}")
     return [f"shipped.uniform_long={tmp_path}/assets/uniform_long", f"shipped.l2r_all_long={tmp_path}/assets/l2r_all_long",
             f"assistant.path={tmp_path}/assets/ar_assistant_smollm2"]
@@ -169,6 +169,23 @@ def test_without_a_vllm_environment_the_serve_check_is_skipped_and_the_log_says_
     skipped = [s for s in log["stages"] if s["stage"] == "serve l2r_all_long"]
     assert len(skipped) == 1 and "no vLLM environment" in skipped[0]["skipped"]
     assert "install_vllm.sh" in skipped[0]["skipped"]
+
+
+def test_a_resumed_job_keeps_choose_k_only_where_its_arguments_are_the_same(tmp_path, monkeypatch):
+    """choose_k.json is kept by a resumed job where the stage wrote it with the same arguments; with a new grid, or
+    where the stage did not finish (no choose_k.json.args.json beside it), K is chosen again."""
+    monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(tmp_path / "no-vllm"))
+
+    def choices(*overrides):
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            cfg = compose("main_sharegpt", overrides=[f"paths.run_dir={tmp_path}", *_shipped(tmp_path), *overrides])
+        calls, _ = _run_with_fake_stages(cfg, tmp_path, monkeypatch)
+        return [name for name, _, _ in calls].count("choose K")
+
+    assert (choices(), choices()) == (1, 0)
+    assert (choices("choose_k.ks=[1,2]"), choices("choose_k.ks=[1,2]")) == (1, 0)
+    (tmp_path / "choose_k.json.args.json").unlink()  # as a stage cut after writing choose_k.json leaves it
+    assert choices("choose_k.ks=[1,2]") == 1
 
 
 def test_a_serve_check_of_a_drafter_the_job_does_not_have_is_refused_before_any_stage(tmp_path, monkeypatch):

@@ -232,3 +232,19 @@ def test_evaluation_is_redone_when_the_drafter_changed(env):
 
     with pytest.raises(ValueError, match="drafter.weights_sha256"):
         check_resumable(first, results, run_dir / "results.json")
+
+
+def test_speeds_resume_only_on_the_kind_of_machine_that_measured_them(tmp_path):
+    """records.check_resumable: results holding speeds are refused on another CPU, ISA, torch or thread count
+    (naming it); results of τ alone resume there."""
+    from experiments.pipeline.records import check_resumable
+
+    here = {"cpu": "AMD EPYC", "isa": "AVX512", "torch": "2.13.0+cpu", "threads": 2, "platform": "Linux-a"}
+    timed = {"results": {"humaneval": {"t0": {"tau": 1.5, "speedup": 1.4}}}, "machine": here}
+    check_resumable(timed, {"machine": {**here, "platform": "Linux-b"}}, tmp_path / "results.json")
+    with pytest.raises(ValueError, match=r"machine\.cpu: 'AMD EPYC' -> 'Intel Xeon'"):
+        check_resumable(timed, {"machine": {**here, "cpu": "Intel Xeon"}}, tmp_path / "results.json")
+    with pytest.raises(ValueError, match=r"machine\.threads: 2 -> 4"):
+        check_resumable(timed, {"machine": {**here, "threads": 4}}, tmp_path / "results.json")
+    tau_only = {"results": {"humaneval": {"t0": {"tau": 1.5, "speedup": None}}}, "machine": here}
+    check_resumable(tau_only, {"machine": {**here, "cpu": "Intel Xeon"}}, tmp_path / "results.json")

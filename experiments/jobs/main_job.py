@@ -38,6 +38,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.data.suites import cache_dir
+from drafters.storage import write_json_atomic
 from experiments.pipeline.paths import REPO
 from experiments.pipeline.records import machine, matmul_gflops
 from experiments.serving.engine import ServingError, vllm_python
@@ -54,6 +55,20 @@ def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
     print(f"=== [{name}] done in {seconds / 60:.1f} min", flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"stage {name!r} failed with exit code {proc.returncode}: {' '.join(cmd[1:])}")
+
+
+def stage_once(name: str, module: str, overrides: list[str], log: dict, done: Path) -> None:
+    """:func:`stage`, unless ``done`` (the file whose presence marks it finished) was written by a stage with these
+    same arguments (``<done>.args.json``, written once the stage succeeds): a resumed job keeps its result, and
+    runs it again where its arguments changed (a new grid, drafter or setting) or it was cut before finishing."""
+    record = done.with_name(done.name + ".args.json")
+    if done.is_file() and record.is_file() and json.loads(record.read_text()) == overrides:
+        return
+    if done.is_file():
+        print(f"\n=== [{name}] run again: {done} was not written by this stage with these arguments", flush=True)
+    record.unlink(missing_ok=True)
+    stage(name, module, overrides, log)
+    write_json_atomic(record, overrides)
 
 
 def portable_summary(log: dict, run_dir: Path) -> str:
@@ -163,8 +178,7 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
     for key in ("tree_budgets", "hybrid_matches", "hybrid_depths"):  # the tree grid (choose_k's defaults where unset)
         if spec.get("trees") and spec.get(key):
             args += [f"--{key.replace('_', '-')}", *map(str, spec[key])]
-    if not out.is_file():  # a resumed job keeps the K it chose
-        stage("choose K", "experiments.pipeline.choose_k", args, log)
+    stage_once("choose K", "experiments.pipeline.choose_k", args, log, out)  # a resumed job keeps the K it chose
     chosen = json.loads(out.read_text())
     overrides = {b: [f"drafter.num_draft_tokens={int(chosen[b]['chosen_k'])}"] for b in wanted if b in chosen}
     for name, c in chosen.get("block_width", {}).items():
@@ -181,16 +195,23 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
     return overrides
 
 
-def tree_rows(cfg: DictConfig, blocks: dict[str, Path], chosen: dict[str, list[str]]) -> dict[str, list[str]]:
+def tree_rows(cfg: DictConfig, blocks: dict[str, Path], chosen: dict[str, list[str]],
+              data_dir: str | None = None) -> dict[str, list[str]]:
     """``trees``: each report row's evaluation arguments: its ``drafter`` choice (``tree`` or ``hybrid``), the block
     drafter it drafts with (``of``), the settings chosen held out for ``settings_of`` (default ``of``; so two drafters
     can be compared at the same N), the trees' candidate vocabulary, ``tree_overrides``, and the row's own
-    ``overrides`` (e.g. a fixed ``drafter.budget``), which win over the chosen settings."""
+    ``overrides`` (e.g. a fixed ``drafter.budget``), which win over the chosen settings. The candidates come from
+    ``choose_k.draft_vocab_from``, else ``data_dir`` (the trained drafters' data, as :func:`_choose_k` counts them)."""
     rows, spec = {}, cfg.get("choose_k") or {}
+    source = spec.get("draft_vocab_from") or data_dir
+    if cfg.get("trees") and spec.get("tree_vocab_size") and source is None:
+        raise ValueError(f"choose_k.tree_vocab_size={spec.tree_vocab_size} needs choose_k.draft_vocab_from or drafters "
+                         "trained here (their data): the candidates are that data's most frequent tokens")
     for name, row in (cfg.get("trees") or {}).items():
         if row.of not in blocks:
             raise ValueError(f"trees.{name}.of={row.of} is none of this job's block drafters {sorted(blocks)}")
-        vocab = ([f"drafter.draft_vocab_size={spec.tree_vocab_size}", f"drafter.draft_vocab_from={spec.draft_vocab_from}"]
+        vocab = ([f"drafter.draft_vocab_size={spec.tree_vocab_size}",
+                  f"drafter.draft_vocab_from={source}"]
                  if spec.get("tree_vocab_size") else [])
         settings = chosen.get(f"{row.drafter}:{row.get('settings_of') or row.of}", [])
         rows[name] = [f"drafter={row.drafter}", f"drafter.path={blocks[row.of]}", f"drafter.name={name}", *vocab,
@@ -257,10 +278,9 @@ def _serve_check(cfg: DictConfig, run_dir: Path, served: str | None, blocks: dic
     chosen = run_dir / "choose_k.json"  # vLLM verifies the W chosen for the drafter on held-out answers, if any
     width = json.loads(chosen.read_text()).get("block_width", {}).get(served) if chosen.is_file() else None
     served_width = [f"num_speculative_tokens={int(width['chosen_k'])}"] if width else []
-    if not (out / "serve_check.json").is_file():  # a resumed job keeps its serve check
-        stage(name, "experiments.serve_check", [f"target={cfg.eval_target}", f"drafter.path={blocks[served]}",
-                                                *cfg.common_overrides, *served_width, *cfg.serve_check.overrides,
-                                                f"hydra.run.dir={out}"], log)
+    stage_once(name, "experiments.serve_check", [f"target={cfg.eval_target}", f"drafter.path={blocks[served]}",
+                                                 *cfg.common_overrides, *served_width, *cfg.serve_check.overrides,
+                                                 f"hydra.run.dir={out}"], log, out / "serve_check.json")
 
 
 def _reports(cfg: DictConfig, run_dir: Path, drafters: dict, timed: list[str], log: dict) -> Path:
@@ -291,7 +311,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     chosen = _choose_k(cfg, run_dir, fill, blocks, log)
     for name, path in shipped.items():
         drafters[name] = [f"drafter.path={path}", f"drafter.name={name}", *cfg.shipped_overrides]
-    drafters |= tree_rows(cfg, blocks, chosen)
+    drafters |= tree_rows(cfg, blocks, chosen, fill["data_dir"])
     for baseline in cfg.baselines:
         extra = baseline_overrides(cfg.baseline_overrides.get(baseline, []), baseline, fill)
         drafters[baseline] = [f"drafter={baseline}", *extra, *chosen.get(baseline, [])]

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from drafters.config import target_fingerprint
+from drafters.storage import write_json_atomic
 from experiments.data.suites import Prompt
 from experiments.pipeline.paths import portable_override, portable_value
 
@@ -33,6 +34,8 @@ GENERATION_KEYS = ("top_k", "top_p", "max_new_tokens", "batch_size", "max_prompt
 # Scalars of an entry sent to the logger (position acceptance goes as a1, a2, ...).
 LOGGED_METRICS = ("tau", "tau_macro", "tau_ci_low", "tau_ci_high", "mean_accepted", "new_tokens",
                   "target_forwards", "spec_tokens_per_s", "target_tokens_per_s", "speedup", "greedy_match")
+# What a speed depends on (of :func:`machine`): results with speeds resume only where these agree.
+MACHINE_KEYS = ("cpu", "isa", "torch", "threads")
 # Entry fields measured with a clock: they differ between runs, everything else must not.
 TIMING_KEYS = ("spec_wall_time_s", "spec_tokens_per_s", "target_wall_time_s", "target_tokens_per_s", "speedup")
 
@@ -71,7 +74,8 @@ def suite_digests(suites: Mapping[str, Sequence[Prompt]]) -> dict[str, str]:
 
 def check_resumable(previous: dict, current: dict, path: Path) -> None:
     """Refuse to resume a results.json written with another drafter (config or weights: the content hash
-    of its safetensors), target, suite prompts or generation settings."""
+    of its safetensors), target, suite prompts or generation settings, or, where it holds speeds, on another kind
+    of machine (:data:`MACHINE_KEYS`)."""
     diffs = []
     answered = sorted(set(previous.get("results") or {}) & set(current.get("suites") or {}))  # suites to resume
     for section, keys in (("settings", GENERATION_KEYS), ("target", None),
@@ -82,6 +86,11 @@ def check_resumable(previous: dict, current: dict, path: Path) -> None:
         for k in keys or sorted(set(old) | set(new)):
             if old.get(k) != new.get(k):
                 diffs.append(f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}")
+    timed = any(e.get("speedup") is not None for by_key in (previous.get("results") or {}).values()
+                for e in by_key.values())
+    if timed:  # speeds measured on one machine are not resumed on another (τ alone is)
+        old, new = previous.get("machine") or {}, current.get("machine") or {}
+        diffs += [f"machine.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in MACHINE_KEYS if old.get(k) != new.get(k)]
     if diffs:
         raise ValueError(f"{path} was written by an evaluation with other settings ({'; '.join(diffs[:5])}); "
                          "resume only with the same drafter, target and generation settings, or use a new run dir")
@@ -219,5 +228,5 @@ def write_record(doc: dict, out: str | Path) -> dict:
         doc["overrides"] = [portable_override(o) for o in doc["overrides"]]
     if isinstance(doc.get("config"), dict):  # a script's arguments: paths written as the overrides' are
         doc["config"] = {k: portable_argument(v) for k, v in doc["config"].items()}
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json_atomic(path, doc)  # a stop mid-write leaves the old record or none, never half of one
     return doc

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import factory
 from drafters.dflash import DFlashFormatError, export_dflash, reads_final_output
+from drafters.storage import write_json_atomic
 from drafters.model import DFlashDrafter
 from experiments.data.prompts import encode_prompt
 from experiments.data.suites import load_suites
@@ -223,8 +224,8 @@ def run_serve_check(cfg: DictConfig) -> dict:
             {p["name"]: {"prompts": suites[p["name"].split("/")[0]], "outputs": p["outputs"],
                          "finish_reasons": p["finish_reasons"]}
              for p in results["drafter"]["phases"] if p["concurrency"] == 1}) + "\n")
-    (out_dir / "serve_check.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out_dir / "serve_check.md").write_text(tables(doc))
     plot(doc, out_dir / "serve_check.png")
+    write_json_atomic(out_dir / "serve_check.json", doc)  # last: its presence means the check finished
     print(tables(doc), flush=True)
     return doc
