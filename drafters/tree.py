@@ -138,6 +138,9 @@ class TreePolicy:
         if lookup is not None and (self.lookup_min_match < 1 or self.lookup_depth < 1 or self.lookup_paths < 1):
             raise ValueError(f"drafter.lookup_min_match={self.lookup_min_match}, lookup_depth={self.lookup_depth}, "
                              f"lookup_paths={self.lookup_paths}: each must be >= 1")
+        if lookup is not None and block is not None and self.lookup_min_match > lookup.max_ngram:
+            raise ValueError(f"drafter.lookup_min_match={self.lookup_min_match} exceeds prompt lookup's max_ngram="
+                             f"{lookup.max_ngram}: no match that long is looked for, so lookup would never draft")
         if self.merge and (block is None or lookup is None):
             raise ValueError("drafter.merge=true merges lookup's paths with a block drafter's tree: it needs both")
 

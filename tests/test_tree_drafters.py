@@ -118,6 +118,9 @@ def test_bad_policies_are_refused():
         TreeDrafter(block, None, TreePolicy(chain_width=9))
     with pytest.raises(ValueError, match="merge=true .* needs both"):
         TreeDrafter(None, lookup, TreePolicy(merge=True))
+    with pytest.raises(ValueError, match=r"lookup_min_match=4 exceeds prompt lookup's max_ngram=3"):
+        TreeDrafter(block, PromptLookupDrafter(64, 4, max_ngram=3), TreePolicy(lookup_min_match=4))
+    TreeDrafter(block, PromptLookupDrafter(64, 4, max_ngram=3), TreePolicy(lookup_min_match=3))
 
 
 @pytest.mark.slow
