@@ -303,6 +303,8 @@ def run_main_job(cfg: DictConfig) -> dict:
     science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
     log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True),
            "machine": {**machine(), "matmul_gflops_start": round(matmul_gflops(), 1)}}
+    print(f"[main] run folder {run_dir}; after a stop, the same command with hydra.run.dir={run_dir} resumes it",
+          flush=True)
     shipped, assistant = shipped_drafters(cfg), assistant_dir(cfg, run_dir)  # what is missing is named first
     blocks = {loss: run_dir / "train" / loss / "drafter" for loss in cfg.losses} | shipped  # a W each
     served = served_drafter(cfg, blocks)
