@@ -317,7 +317,7 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
     meta["val_at_start"] = storage.read_json(start_file, "validation record") if start_file.is_file() else None
     export_dir = Path(cfg.export_dir).expanduser() if cfg.export_dir else run_dir / "export"
     export_assistant(model, str(cfg.target.path), export_dir, cfg.export_dtype, meta)
-    (run_dir / "train_summary.json").write_text(json.dumps(meta, indent=1) + "\n")
+    storage.write_json_atomic(run_dir / "train_summary.json", meta)  # its presence marks the training finished
     print(f"[train_assistant] {trainer.global_step} steps in {meta['wall_time_s']} s; "
           f"val {json.dumps(meta['val'])}; exported to {export_dir}", flush=True)
     return export_dir
