@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.reporting.budget_curve import budget_points, write_budget
+from experiments.reporting.paper import beside_lines
 from experiments.reporting.precision import write_quality
 from experiments.reporting.runs import Run, find_results, load_runs, order_runs
 from experiments.reporting.sweep_curve import sweep_points, write_sweep_curve
@@ -136,8 +137,29 @@ def _paired_seeds(trained: Sequence[Path], sub: str) -> list[Path]:
     return [d for d in trained if seed[d] in done]
 
 
-def long_reports(runs: Path, out: Path) -> list[str]:
-    """The long-budget ablation's reports (the module doc, ``--long``); returns the folders written."""
+def write_beside(out: Path, short: Path | None) -> None:
+    """``<out>/ablation_long/beside.md``: each loss's gain at the long budget (chain, tree, the 5K snapshots) beside
+    the 700-step ablation's (``short``: its report.json, where given and present) and the paper's, at T=0 and T=1."""
+    columns = {heading: (json.loads((out / name / "report.json").read_text()), suffix)
+               for heading, name, suffix in (("700 steps", None, ""), ("long, chain", "ablation_long", ""),
+                                             ("long, tree", "ablation_long_tree", "_tree"),
+                                             ("5K steps, chain", "ablation_long_5k", ""),
+                                             ("5K steps, tree", "ablation_long_tree_5k", "_tree"))
+               if name is not None and (out / name / "report.json").is_file()}
+    if short is not None and short.is_file():
+        columns = {"700 steps": (json.loads(short.read_text()), ""), **columns}
+    text = ["# The long-budget ablation beside the 700-step one and the paper", "",
+            "Each cell: the gain over uniform on the suites' mean, with its 95% interval (over several seeds: the mean "
+            "of each seed's gain). Long: the queue's ablation_long runs at their full budget; 5K: their 5K-step "
+            "snapshots.", ""]
+    for key in ("t0", "t1"):
+        text += beside_lines(columns, ORDER, key)
+    (out / "ablation_long" / "beside.md").write_text("\n".join(text))
+
+
+def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:
+    """The long-budget ablation's reports (the module doc, ``--long``), and ``beside.md`` (:func:`write_beside`, the
+    700-step ablation's report.json from ``short``); returns the folders written."""
     folder, written = runs / "multirun" / "ablation_long", []
     trained = [d for d in sorted(folder.glob("*-s*")) if not d.name.startswith("precision-")]
     for name, (sub, baseline) in LONG_PARTS.items():
@@ -149,6 +171,8 @@ def long_reports(runs: Path, out: Path) -> list[str]:
         order = [f"{loss}_tree" if baseline.endswith("_tree") else loss for loss in ORDER]
         if _report(paths, out / name, order, paper=sub == "eval", baseline=baseline)[1] is not None:
             written.append(name)
+    if "ablation_long" in written:
+        write_beside(out, short)
     if precision_report(folder, out / "ablation_long_precision"):
         written.append("ablation_long_precision")
     print(f"[ablation_report] wrote {', '.join(written) or 'nothing'} under {out}", flush=True)
@@ -163,10 +187,12 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                         "same suites, rows of the ablation report (default: the queue's <runs>/baselines/*; e.g. "
                         "the main job's <run>/eval/prompt_lookup, evaluated at T=0 only)")
     parser.add_argument("--long", action="store_true", help="the long-budget ablation's reports (QUEUE=long)")
+    parser.add_argument("--short", default="experiments/results/ablation_smollm2/report.json", help="with --long: "
+                        "the 700-step ablation's report.json, its gains beside the long budget's (beside.md)")
     args = parser.parse_args(argv)
     runs, out, written = Path(args.runs).expanduser(), Path(args.out), []
     if args.long:
-        return long_reports(runs, out)
+        return long_reports(runs, out, Path(args.short) if args.short else None)
     ablation = _evaluated([runs / "multirun" / "l2r_ablation"])
     if not ablation:
         raise SystemExit(f"no evaluated run under {runs / 'multirun' / 'l2r_ablation'}: run "

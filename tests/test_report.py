@@ -575,6 +575,7 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     report and verdict from the seeds trained and evaluated in both precisions; a run whose seed has no uniform run
     evaluated is left out, and a part without its baseline is skipped."""
     from experiments import ablation_report
+    from experiments.reporting.paper import gain_of
 
     folder = tmp_path / "runs" / "multirun" / "ablation_long"
 
@@ -631,12 +632,19 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     quality = json.loads((out / "ablation_long_precision" / "quality.json").read_text())
     code = quality["suites"]["code"]  # the decay doc keeps 1.5x the uniform one's tokens on code, seed by seed
     assert code["gain"] == pytest.approx(0.5) and code["ci_low"] > 0 and not code["within"]
-    assert quality["seeds_pooled"] and quality["within_on_mean"] == quality["suites"][rp.MEAN]["within"]
+    assert quality["suites"][rp.MEAN]["seeds"] == 2 and quality["within_on_mean"] == quality["suites"][rp.MEAN]["within"]
     held = quality["held_out"]
     assert held["final"] == {"float32-s0": 1.5, "float32-s1": 1.52, "bfloat16-s0": 1.51, "bfloat16-s1": 1.49}
     assert held["gap_by_seed"] == {"0": 0.01, "1": -0.03} and held["baseline_seed_spread"] == 0.02
     assert (out / "ablation_long_precision" / "held_out.png").is_file()
     for seed in (0, 1):  # uniform's tree evaluations gone: that part is skipped, the others still written
         shutil.rmtree(folder / f"uniform-s{seed}" / "eval_tree")
-    again = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "again"), "--long"])
+    short = out / "ablation_long" / "report.json"  # standing in for the 700-step ablation's
+    again = ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "again"), "--long",
+                                  "--short", str(short)])
     assert again == ["ablation_long", "ablation_long_5k", "ablation_long_precision"]
+    beside = (tmp_path / "again" / "ablation_long" / "beside.md").read_text()
+    decay = gain_of(chain, "decay")
+    cell = f"{100 * decay['gain']:+.1f}% [{100 * decay['ci_low']:+.1f}, {100 * decay['ci_high']:+.1f}] (2 seeds)"
+    assert f"| decay | {cell} | {cell} | {cell} | +8.7% |" in beside  # 700 steps, long, 5K (no tree report here)
+    assert "| focal |" not in beside and "(T=1, mean over suites)" in beside

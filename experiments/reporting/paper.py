@@ -63,14 +63,24 @@ def paper_lines(report: dict, key: str = "t0") -> list[str]:
 COMPOSITES = {"decay_focal": ("decay", "focal"), "l2r_all": ("decay", "focal", "chain")}
 
 
+def gain_of(report: dict, config: str, key: str = "t0", suite: str = MEAN) -> dict | None:
+    """``{gain, ci_low, ci_high, seeds}`` of ``config`` over the report's baseline on ``suite`` at ``key``: the mean
+    of its per-seed paired gains and that mean's 95% interval where it has several seeds, else its one run's paired
+    gain and interval (``ci_*`` None without per-prompt records); None where it has no gain there."""
+    seeds = (report.get("across_seeds") or {}).get(key, {}).get(suite, {}).get(config)
+    if seeds is not None and seeds.get("gain_mean") is not None and len(seeds.get("gains") or ()) != 1:
+        return {"gain": seeds["gain_mean"], "ci_low": seeds.get("gain_ci_low"), "ci_high": seeds.get("gain_ci_high"),
+                "seeds": len(seeds.get("gains") or ()) or None}
+    runs = [c["name"] for c in report["configurations"] if c["config"] == config]
+    cell = report["table"].get(key, {}).get(suite, {}).get(runs[0]) if len(runs) == 1 else None
+    if cell is None or cell.get("gain") is None:
+        return None
+    return {"gain": cell["gain"], "ci_low": cell.get("gain_ci_low"), "ci_high": cell.get("gain_ci_high"), "seeds": 1}
+
+
 def _gain(report: dict, config: str, key: str) -> float | None:
     """This report's gain of ``config`` over the baseline on the suites' mean (the mean over seeds when seeded)."""
-    seeds = (report.get("across_seeds") or {}).get(key, {}).get(MEAN, {}).get(config)
-    if seeds is not None:
-        return seeds.get("gain_mean")
-    runs = [c["name"] for c in report["configurations"] if c["config"] == config]
-    cell = report["table"].get(key, {}).get(MEAN, {}).get(runs[0]) if len(runs) == 1 else None
-    return None if cell is None else cell.get("gain")
+    return (gain_of(report, config, key) or {}).get("gain")
 
 
 def composition_lines(report: dict, key: str = "t0") -> list[str]:
@@ -92,3 +102,22 @@ def composition_lines(report: dict, key: str = "t0") -> list[str]:
             "Each composite's gain over uniform beside the sum of its terms' gains alone; the ratio is 1 where they add.",
             "", "| composite | gain here | sum of terms here | ratio | paper gain | paper sum | paper ratio |",
             "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _gain_words(cell: dict | None) -> str:
+    if cell is None:
+        return "—"
+    interval = f" [{100 * cell['ci_low']:+.1f}, {100 * cell['ci_high']:+.1f}]" if cell["ci_low"] is not None else ""
+    return f"{100 * cell['gain']:+.1f}%{interval}" + (f" ({cell['seeds']} seeds)" if (cell["seeds"] or 0) > 1 else "")
+
+
+def beside_lines(columns: dict[str, tuple[dict, str]], configs: list[str], key: str = "t0") -> list[str]:
+    """Markdown: each of ``configs``' gain over uniform on the suites' mean at ``key`` in several reports side by side
+    (e.g. the 700-step ablation, the long budget as a chain and as a tree), then the paper's; a configuration no report
+    has is left out. ``columns``: ``{heading: (report.json content, the suffix of its rows' names: "" or "_tree")}``."""
+    cells = {c: [gain_of(report, c + suffix, key) for report, suffix in columns.values()] for c in configs}
+    rows = [f"| {c} | " + " | ".join(map(_gain_words, cells[c])) + " | "
+            + (f"{100 * (PAPER_TAU[c] / PAPER_TAU['uniform'] - 1):+.1f}%" if c in PAPER_TAU else "—") + " |"
+            for c in configs if any(cell is not None for cell in cells[c])]
+    return [f"## Gains over uniform across budgets (T={key[1:]}, mean over suites)", "",
+            "| configuration | " + " | ".join(columns) + " | paper |", "|---" * (len(columns) + 2) + "|", *rows, ""]

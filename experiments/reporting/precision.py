@@ -3,7 +3,7 @@ data order) trained in float32 and in bfloat16, each evaluated with the float32 
 
 From the report of those runs (:func:`experiments.reporting.write.write_report`, float32 as the baseline) it writes,
 beside report.md, ``quality.json`` and ``quality.md``: per suite and on the suites' mean at T=0, the bfloat16 drafter's
-paired gain over the float32 one with its 95% interval (seeds pooled where both precisions have several) and whether
+paired gain over the float32 one with its 95% interval (the mean over seeds where it has several) and whether
 that interval holds 0; and each run's held-out τ at the end of training, with the float32 runs' seed-to-seed
 difference as the yardstick. Every validation of every run goes to ``held_out.json``/``.md``/``.png``
 (:mod:`experiments.reporting.held_out`).
@@ -16,26 +16,20 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from experiments.reporting import held_out
+from experiments.reporting.paper import gain_of
 from experiments.reporting.runs import CURVE_METRIC, logged_rows
 from experiments.reporting.stats import MEAN
 
 
 def paired_gains(report: dict, config: str, key: str = "t0") -> dict[str, dict]:
-    """``{suite: {gain, ci_low, ci_high, within}}`` of ``config`` over the report's baseline at ``key``: pooled over
-    seeds where the report has them, else the one run's (``within``: the interval holds 0)."""
-    seeded = (report.get("across_seeds") or {}).get(key)
-    if seeded:
-        cells = {suite: (by_config[config], "gain_mean") for suite, by_config in seeded.items() if config in by_config}
-    else:
-        runs = [c["name"] for c in report["configurations"] if c["config"] == config]
-        table = report["table"].get(key, {})
-        cells = {suite: (by_run[runs[0]], "gain") for suite, by_run in table.items() if len(runs) == 1 and runs[0] in by_run}
+    """``{suite: {gain, ci_low, ci_high, seeds, within}}`` of ``config`` over the report's baseline at ``key``
+    (:func:`experiments.reporting.paper.gain_of`; ``within``: the interval holds 0, None without one)."""
+    suites = [s for s in report.get("suites", []) if s != MEAN] + [MEAN]
     out = {}
-    for suite, (cell, gain) in cells.items():
-        low, high = cell.get("gain_ci_low"), cell.get("gain_ci_high")  # None without paired prompts
-        if cell.get(gain) is not None:
-            out[suite] = {"gain": cell[gain], "ci_low": low, "ci_high": high,
-                          "within": None if low is None or high is None else low <= 0 <= high}
+    for suite in suites:
+        if (cell := gain_of(report, config, key, suite)) is not None:
+            low, high = cell["ci_low"], cell["ci_high"]
+            out[suite] = {**cell, "within": None if low is None or high is None else low <= 0 <= high}
     return out
 
 
@@ -54,10 +48,10 @@ def held_out_gaps(doc: Mapping[str, dict], baseline: str, candidate: str) -> dic
 
 def _markdown(quality: dict) -> str:
     lines = ["# bfloat16 against float32 training: the quality check", "",
-             f"`{quality['candidate']}` over `{quality['baseline']}` at T=0 (paired over prompts"
-             f"{', seeds pooled' if quality['seeds_pooled'] else ''}); within: the 95% interval holds 0.", "",
-             "| suite | gain | 95% interval | within |", "|---|---|---|---|"]
-    lines += [f"| {s} | {100 * c['gain']:+.1f}% | " + ("no interval |" if c["within"] is None else
+             f"`{quality['candidate']}` over `{quality['baseline']}` at T=0, paired over prompts (a gain over several "
+             "seeds: the mean of each seed's and its interval); within: the 95% interval holds 0.", "",
+             "| suite | gain | seeds | 95% interval | within |", "|---|---|---|---|---|"]
+    lines += [f"| {s} | {100 * c['gain']:+.1f}% | {c['seeds']} | " + ("— | — |" if c["within"] is None else
               f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | {'yes' if c['within'] else 'no'} |")
               for s, c in quality["suites"].items()]
     held = quality["held_out"]
@@ -81,7 +75,6 @@ def write_quality(report: dict, runs: Mapping[tuple[str, int], Path], out: Path,
     if doc:
         held_out.write(doc, out, f"Held-out τ along training: {names[0]} against {names[1]}")
     quality = {"baseline": report["baseline"], "candidate": candidate, "names": list(names),
-               "seeds_pooled": bool((report.get("across_seeds") or {}).get("t0")),
                "suites": paired_gains(report, candidate), "held_out": held_out_gaps(doc, *names)}
     quality["within_on_mean"] = quality["suites"].get(MEAN, {}).get("within")
     (out / "quality.json").write_text(json.dumps(quality, indent=1) + "\n")
