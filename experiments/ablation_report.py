@@ -133,21 +133,23 @@ def _paired_seeds(trained: Sequence[Path], sub: str) -> list[Path]:
             and complete(d / sub / "results.json")}
     waiting = [d.name for d in trained if seed[d] not in done and (d / sub).is_dir()]
     if waiting:
-        print(f"[ablation_report] {', '.join(waiting)} ({sub}): left out until uniform of that seed is", flush=True)
+        print(f"[ablation_report] {', '.join(waiting)} ({sub}): left out until their seed's uniform run is evaluated",
+              flush=True)
     return [d for d in trained if seed[d] in done]
 
 
-def write_beside(out: Path, short: Path | None) -> None:
-    """``<out>/ablation_long/beside.md``: each loss's gain at the long budget (chain, tree, the 5K snapshots) beside
-    the 700-step ablation's (``short``: its report.json, where given and present) and the paper's, at T=0 and T=1."""
-    columns = {heading: (json.loads((out / name / "report.json").read_text()), suffix)
-               for heading, name, suffix in (("700 steps", None, ""), ("long, chain", "ablation_long", ""),
-                                             ("long, tree", "ablation_long_tree", "_tree"),
-                                             ("5K steps, chain", "ablation_long_5k", ""),
-                                             ("5K steps, tree", "ablation_long_tree_5k", "_tree"))
-               if name is not None and (out / name / "report.json").is_file()}
-    if short is not None and short.is_file():
-        columns = {"700 steps": (json.loads(short.read_text()), ""), **columns}
+# the columns of beside.md: report folder -> (heading, the suffix of its rows' names)
+BESIDE = {"ablation_long": ("long, chain", ""), "ablation_long_tree": ("long, tree", "_tree"),
+          "ablation_long_5k": ("5K steps, chain", ""), "ablation_long_tree_5k": ("5K steps, tree", "_tree")}
+
+
+def write_beside(out: Path, written: Sequence[str], short: Path | None) -> None:
+    """``<out>/ablation_long/beside.md``: each loss's gain in the long-budget reports just ``written`` (chain, tree,
+    the 5K snapshots) beside the 700-step ablation's (``short``: its report.json, where given and present) and the
+    paper's, at T=0 and T=1."""
+    columns = {"700 steps": (json.loads(short.read_text()), "")} if short is not None and short.is_file() else {}
+    columns |= {heading: (json.loads((out / name / "report.json").read_text()), suffix)
+                for name, (heading, suffix) in BESIDE.items() if name in written}
     text = ["# The long-budget ablation beside the 700-step one and the paper", "",
             "Each cell: the gain over uniform on the suites' mean, with its 95% interval (over several seeds: the mean "
             "of each seed's gain). Long: the queue's ablation_long runs at their full budget; 5K: their 5K-step "
@@ -172,7 +174,7 @@ def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:
         if _report(paths, out / name, order, paper=sub == "eval", baseline=baseline)[1] is not None:
             written.append(name)
     if "ablation_long" in written:
-        write_beside(out, short)
+        write_beside(out, written, short)
     if precision_report(folder, out / "ablation_long_precision"):
         written.append("ablation_long_precision")
     print(f"[ablation_report] wrote {', '.join(written) or 'nothing'} under {out}", flush=True)
