@@ -236,6 +236,21 @@ def test_a_baseline_that_needs_the_data_folder_without_training_is_refused(tmp_p
         main_job.run_main_job(cfg)
 
 
+def test_a_stopped_job_leaves_its_stage_times_and_a_resumed_one_keeps_them(tmp_path):
+    """Each stage rewrites main_summary.json (no total_seconds until the job ends); a resumed launch reads the earlier
+    launches' stage times from it into its own earlier_launches."""
+    import json
+
+    log = {"run_dir": str(tmp_path), "summary": main_job.SUMMARY, "stages": []}
+    main_job.stage("zen", "this", [], log)  # any module that exits 0
+    saved = json.loads((tmp_path / main_job.SUMMARY).read_text())
+    assert [s["stage"] for s in saved["stages"]] == ["zen"] and "total_seconds" not in saved
+    assert main_job.earlier_launches(tmp_path) == [{"stages": saved["stages"], "total_seconds": None, "machine": None}]
+    (tmp_path / main_job.SUMMARY).write_text(json.dumps({**saved, "earlier_launches": [{"stages": []}]}))
+    assert len(main_job.earlier_launches(tmp_path)) == 2
+    assert main_job.earlier_launches(tmp_path / "new") == []
+
+
 def test_main_summary_names_the_cache_not_this_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "cache"))
     log = {"run_dir": str(tmp_path / "run"), "stages": [{"command": f"drafter.data_dir={tmp_path}/cache/regen/tiny/abc "

@@ -44,8 +44,12 @@ from experiments.pipeline.records import machine, matmul_gflops
 from experiments.serving.engine import ServingError, vllm_python
 
 
+SUMMARY = "main_summary.json"
+
+
 def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
-    """Run ``python -m <module> <overrides>``; print and record its wall time."""
+    """Run ``python -m <module> <overrides>``; print and record its wall time in ``log`` (and in the file
+    ``log["summary"]`` names in ``log["run_dir"]``, where it names one)."""
     cmd = [sys.executable, "-m", module, *overrides]
     print(f"\n=== [{name}] {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
     t = time.time()
@@ -53,6 +57,8 @@ def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
     seconds = time.time() - t
     log["stages"].append({"stage": name, "command": " ".join(cmd[1:]), "seconds": round(seconds, 1)})
     print(f"=== [{name}] done in {seconds / 60:.1f} min", flush=True)
+    if log.get("summary"):  # rewritten after every stage: a stopped job leaves the times of the stages it ran
+        write_json_atomic(Path(log["run_dir"]) / log["summary"], json.loads(portable_summary(log, Path(log["run_dir"]))))
     if proc.returncode != 0:
         raise SystemExit(f"stage {name!r} failed with exit code {proc.returncode}: {' '.join(cmd[1:])}")
 
@@ -295,13 +301,23 @@ def _reports(cfg: DictConfig, run_dir: Path, drafters: dict, timed: list[str], l
     return run_dir / "report"
 
 
+def earlier_launches(run_dir: Path) -> list[dict]:
+    """The stage times of this run folder's earlier launches (a job stopped and resumed), from its summary."""
+    path = run_dir / SUMMARY
+    if not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    return [*earlier.get("earlier_launches", []), {k: earlier.get(k) for k in ("stages", "total_seconds", "machine")}]
+
+
 def run_main_job(cfg: DictConfig) -> dict:
     """Data, training, the assistant, τ and speed evaluations of every drafter (trained here, shipped, baselines),
     the reports (``conf/main.yaml``); returns the stage log written to ``<run dir>/main_summary.json``."""
     t0 = time.time()  # before the config resolves: resolving it may convert the target (experiments.data.smollm2)
     run_dir = Path(cfg.paths.run_dir).resolve()
     science = [f"experiment={cfg.train_experiment}", "launch=run", *cfg.common_overrides]  # one run each, no sweep
-    log = {"run_dir": str(run_dir), "stages": [], "config": OmegaConf.to_container(cfg, resolve=True),
+    log = {"run_dir": str(run_dir), "summary": SUMMARY, "stages": [], "earlier_launches": earlier_launches(run_dir),
+           "config": OmegaConf.to_container(cfg, resolve=True),
            "machine": {**machine(), "matmul_gflops_start": round(matmul_gflops(), 1)}}
     print(f"[main] run folder {run_dir}; after a stop, the same command with hydra.run.dir={run_dir} resumes it",
           flush=True)
@@ -322,7 +338,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     report_dir = _reports(cfg, run_dir, drafters, timed, log)
     log["total_seconds"] = round(time.time() - t0, 1)
     log["machine"]["matmul_gflops_end"] = round(matmul_gflops(), 1)
-    (run_dir / "main_summary.json").write_text(portable_summary(log, run_dir))
+    write_json_atomic(run_dir / SUMMARY, json.loads(portable_summary(log, run_dir)))
     print("\n" + (report_dir / "report.md").read_text(), flush=True)
     if served and (run_dir / "serve" / served / "serve_check.md").is_file():
         print((run_dir / "serve" / served / "serve_check.md").read_text(), flush=True)
@@ -330,6 +346,8 @@ def run_main_job(cfg: DictConfig) -> dict:
     for s in log["stages"]:
         print(f"  {s['stage']:<24s} {s['seconds'] / 60:6.1f} min")
     print(f"  {'total':<24s} {log['total_seconds'] / 60:6.1f} min   (plots and tables in {report_dir})")
+    if log["earlier_launches"]:
+        print(f"  (this launch; {len(log['earlier_launches'])} earlier: {SUMMARY}'s earlier_launches)")
     rates = log["machine"]
     print(f"  on {rates['cpu']} ({rates['isa']}, {rates['threads']} threads): float32 matmul "
           f"{rates['matmul_gflops_start']:.0f} GFLOP/s at the start, {rates['matmul_gflops_end']:.0f} at the end")
