@@ -2,7 +2,7 @@
 
 Locks. A folder (a regenerated data dir, a feature cache, a training run dir) is owned through two files:
 ``<folder>/.lock.flock``, locked with the ``filelock`` package (its contents are that package's), and
-``<folder>/.lock``, the owner's record ``{"pid", "host", "since", "argv"}``, which names the owner in
+``<folder>/.lock``, the owner's record ``{"pid", "pid_start", "host", "since", "argv"}``, which names the owner in
 messages. The kernel drops the lock when its process dies, so a lock left behind by a killed job is free:
 the next job takes it over and says whose it was (from the record it left). Released records are marked
 ``"released"``, never deleted. One process may take the same lock again (nested ``with``): it is counted.
@@ -63,10 +63,23 @@ def _pid_alive(pid) -> bool:
     return True
 
 
+def _start_ticks(pid) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat``); None where unknown."""
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; the name in () may hold spaces
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
+
+
 def _live_elsewhere(owner: dict) -> bool:
-    """The record names a live process of this host other than this one, and was not released."""
-    return bool(owner) and owner.get("host") == socket.gethostname() and owner.get("pid") != os.getpid() \
-        and _pid_alive(owner.get("pid")) and not owner.get("released")
+    """The record names a live process of this host other than this one, and was not released. A live process
+    that started at another time than the one the record names is a later one with the same pid: not the owner."""
+    if not owner or owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid() \
+            or owner.get("released") or not _pid_alive(owner.get("pid")):
+        return False
+    recorded = owner.get("pid_start")
+    return recorded is None or _start_ticks(owner["pid"]) in (None, recorded)
 
 
 def _try_lock(lock: FileLock, record: Path) -> tuple[bool, dict]:
@@ -119,7 +132,7 @@ def acquire(folder: str | Path, what: str = "folder", *, wait: bool = False, pol
             told = True
         time.sleep(poll_s)
     _say_taken_over(what, folder, owner)
-    write_json_atomic(path, {"pid": os.getpid(), "host": socket.gethostname(),
+    write_json_atomic(path, {"pid": os.getpid(), "pid_start": _start_ticks(os.getpid()), "host": socket.gethostname(),
                              "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                              "argv": sys.argv[:8]})
     _held[key] = (lock, 1)

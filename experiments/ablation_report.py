@@ -151,9 +151,9 @@ def write_beside(out: Path, written: Sequence[str], short: Path | None) -> None:
     columns |= {heading: (json.loads((out / name / "report.json").read_text()), suffix)
                 for name, (heading, suffix) in BESIDE.items() if name in written}
     text = ["# The long-budget ablation beside the 700-step one and the paper", "",
-            "Each cell: the gain over uniform on the suites' mean, with its 95% interval (over several seeds: the mean "
+            ("Each cell: the gain over uniform on the suites' mean, with its 95% interval (over several seeds: the mean "
             "of each seed's gain). Long: the queue's ablation_long runs at their full budget; 5K: their 5K-step "
-            "snapshots.", ""]
+            "snapshots."), ""]
     for key in ("t0", "t1"):
         text += beside_lines(columns, ORDER, key)
     (out / "ablation_long" / "beside.md").write_text("\n".join(text))

@@ -84,6 +84,18 @@ def test_lock_refuses_waits_nests_and_takes_over_stale(tmp_path, capsys):
     with locks.hold(folder):
         pass
     assert f"taking over the lock of pid {dead.pid}" in capsys.readouterr().err
+    # a record whose pid is live again, reused by a later process (another start time): not its owner
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        start = locks._start_ticks(alive.pid)
+        record = {"pid": alive.pid, "host": socket.gethostname(), "since": "then"}
+        assert start is not None and locks._live_elsewhere({**record, "pid_start": start})
+        assert locks._live_elsewhere(record)  # a record from before pid_start: the pid is trusted
+        (folder / ".lock").write_text(json.dumps({**record, "pid_start": start - 1}))
+        with locks.hold(folder):
+            assert locks.owner(folder)["pid_start"] == locks._start_ticks(os.getpid())
+    finally:
+        alive.kill()
 
 
 # ----------------------------------------------------------------------------- 1. data folders

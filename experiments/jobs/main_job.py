@@ -37,12 +37,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.data.suites import cache_dir
 from drafters.storage import write_json_atomic
+from experiments.data.suites import cache_dir
 from experiments.pipeline.paths import REPO
 from experiments.pipeline.records import machine, matmul_gflops
 from experiments.serving.engine import ServingError, vllm_python
-
 
 SUMMARY = "main_summary.json"
 

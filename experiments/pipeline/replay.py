@@ -33,7 +33,14 @@ import torch
 
 from drafters.checks import target_weights_sha1
 from drafters.policy import DraftingPolicy, PolicyDrafter
-from drafters.storage import DamagedFileError, check_seal, read_sealed_json, seal_path, write_seal, write_sealed_json
+from drafters.storage import (
+    DamagedFileError,
+    check_seal,
+    read_sealed_json,
+    seal_path,
+    write_seal,
+    write_sealed_json,
+)
 from drafters.tau import anchor_acceptance, anchor_top, greedy_walk
 from drafters.training.blocks import run_target
 from drafters.training.datamodule import collate

@@ -48,8 +48,8 @@ def held_out_gaps(doc: Mapping[str, dict], baseline: str, candidate: str) -> dic
 
 def _markdown(quality: dict) -> str:
     lines = ["# bfloat16 against float32 training: the quality check", "",
-             f"`{quality['candidate']}` over `{quality['baseline']}` at T=0, paired over prompts (a gain over several "
-             "seeds: the mean of each seed's and its interval); within: the 95% interval holds 0.", "",
+             (f"`{quality['candidate']}` over `{quality['baseline']}` at T=0, paired over prompts (a gain over several "
+             "seeds: the mean of each seed's and its interval); within: the 95% interval holds 0."), "",
              "| suite | gain | seeds | 95% interval | within |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {100 * c['gain']:+.1f}% | {c['seeds']} | " + ("— | — |" if c["within"] is None else
               f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | {'yes' if c['within'] else 'no'} |")

@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import factory
 from drafters.dflash import DFlashFormatError, export_dflash, reads_final_output
-from drafters.storage import write_json_atomic
 from drafters.model import DFlashDrafter
+from drafters.storage import write_json_atomic
 from experiments.data.prompts import encode_prompt
 from experiments.data.suites import load_suites
 from experiments.data.target import eos_token_ids, load_target
