@@ -165,8 +165,7 @@ def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:
     folder, written = runs / "multirun" / "ablation_long", []
     trained = [d for d in sorted(folder.glob("*-s*")) if not d.name.startswith("precision-")]
     for name, (sub, baseline) in LONG_PARTS.items():
-        paired = _paired_seeds(trained, sub)
-        paths = _evaluated([d / sub for d in trained if d in paired])
+        paths = _evaluated([d / sub for d in _paired_seeds(trained, sub)])
         if len(paths) < 2:
             print(f"[ablation_report] {name}: fewer than two evaluated runs yet, skipped", flush=True)
             continue

@@ -57,7 +57,7 @@ def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
     log["stages"].append({"stage": name, "command": " ".join(cmd[1:]), "seconds": round(seconds, 1)})
     print(f"=== [{name}] done in {seconds / 60:.1f} min", flush=True)
     if log.get("summary"):  # rewritten after every stage: a stopped job leaves the times of the stages it ran
-        write_json_atomic(Path(log["run_dir"]) / log["summary"], json.loads(portable_summary(log, Path(log["run_dir"]))))
+        save_summary(log)
     if proc.returncode != 0:
         raise SystemExit(f"stage {name!r} failed with exit code {proc.returncode}: {' '.join(cmd[1:])}")
 
@@ -74,6 +74,12 @@ def stage_once(name: str, module: str, overrides: list[str], log: dict, done: Pa
     record.unlink(missing_ok=True)
     stage(name, module, overrides, log)
     write_json_atomic(record, overrides)
+
+
+def save_summary(log: dict) -> None:
+    """Write ``log`` (:func:`portable_summary`) to the file ``log["summary"]`` names in ``log["run_dir"]``."""
+    run_dir = Path(log["run_dir"])
+    write_json_atomic(run_dir / log["summary"], json.loads(portable_summary(log, run_dir)))
 
 
 def portable_summary(log: dict, run_dir: Path) -> str:
@@ -337,7 +343,7 @@ def run_main_job(cfg: DictConfig) -> dict:
     report_dir = _reports(cfg, run_dir, drafters, timed, log)
     log["total_seconds"] = round(time.time() - t0, 1)
     log["machine"]["matmul_gflops_end"] = round(matmul_gflops(), 1)
-    write_json_atomic(run_dir / SUMMARY, json.loads(portable_summary(log, run_dir)))
+    save_summary(log)
     print("\n" + (report_dir / "report.md").read_text(), flush=True)
     if served and (run_dir / "serve" / served / "serve_check.md").is_file():
         print((run_dir / "serve" / served / "serve_check.md").read_text(), flush=True)
