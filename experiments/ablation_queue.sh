@@ -49,11 +49,25 @@ train() {  # train EXPERIMENT RUN_SUBDIR OVERRIDES...: one training unless it fi
   echo "[queue $worker] $(date -u +%FT%TZ) $experiment/$run: rc $? in $((SECONDS - start)) s"
 }
 
-evaluated() {  # evaluated RESULTS_JSON: it holds every suite at every temperature asked for
-  python3 - "$1" "${TEMPERATURES:-[0.0]}" 2>/dev/null <<'PY'
+evaluated() {  # evaluated RESULTS_JSON [KEY=VALUE...]: it holds every suite at every temperature asked for, and its
+  # drafter's config has each KEY (dotted: tree_policy.budget) at VALUE; a differing one is named (then decode, given
+  # redo_if_changed, moves the old results aside and evaluates again)
+  python3 - "$@" "${TEMPERATURES:-[0.0]}" <<'PY'
 import json, sys
-results = json.load(open(sys.argv[1]))["results"]
-want = {f"t{float(t):g}" for t in json.loads(sys.argv[2])}  # experiments.pipeline.records' keys
+path, *settings, temperatures = sys.argv[1:]
+try:
+    doc = json.load(open(path))
+except (OSError, ValueError):
+    sys.exit(1)
+want = {f"t{float(t):g}" for t in json.loads(temperatures)}  # experiments.pipeline.records' keys
+for key, value in (s.split("=", 1) for s in settings):
+    found = doc.get("drafter", {}).get("config", {})
+    for part in key.split("."):
+        found = found.get(part) if isinstance(found, dict) else None
+    if str(found) != value:
+        print(f"[queue] {path}: its drafter's {key} is {found}, this queue asks {value}: evaluating again", flush=True)
+        sys.exit(1)
+results = doc.get("results") or {}
 sys.exit(0 if len(results) == 3 and all(want <= set(r) for r in results.values()) else 1)
 PY
 }
@@ -65,7 +79,7 @@ decode() {  # decode OUT_DIR LOG OVERRIDES...: a drafter on the main job's suite
   nice -n "${NICE:-19}" "$py" -m experiments.evaluate target=smollm2 "$@" progress=false \
     batch_size=8 measure_target_only=false "num_threads=$threads" replay_greedy=true \
     "temperatures=${TEMPERATURES:-[0.0]}" suite.humaneval.limit=16 suite.gsm_symbolic.limit=16 \
-    suite.mtbench.limit=8 "hydra.run.dir=$out" >>"$log" 2>&1 \
+    suite.mtbench.limit=8 +redo_if_changed=true "hydra.run.dir=$out" >>"$log" 2>&1 \
     || echo "[queue $worker] $out: evaluation failed (rc $?), see $log"
 }
 
@@ -112,9 +126,11 @@ long_evaluate() {  # long_evaluate RUN_SUBDIR: an ablation_long drafter as a cha
     local path="$dir/drafter" temps="$both"
     [[ -z "$at" ]] || { path="$dir/snapshots/step-5000"; temps='[0.0]'; }
     [[ -d "$path" ]] || continue
-    TEMPERATURES="$temps" evaluated "$dir/eval$at/results.json" || TEMPERATURES="$temps" decode "$dir/eval$at" "$log" \
+    TEMPERATURES="$temps" evaluated "$dir/eval$at/results.json" "max_draft_tokens=${CHAIN_W:-3}" \
+      || TEMPERATURES="$temps" decode "$dir/eval$at" "$log" \
       "drafter.path=$path" "drafter.name=$name" "drafter.max_draft_tokens=${CHAIN_W:-3}" "${LONG_VOCAB[@]}"
-    TEMPERATURES="$temps" evaluated "$dir/eval_tree$at/results.json" || TEMPERATURES="$temps" decode "$dir/eval_tree$at" \
+    TEMPERATURES="$temps" evaluated "$dir/eval_tree$at/results.json" "tree_policy.budget=${TREE_N:-4}" \
+      || TEMPERATURES="$temps" decode "$dir/eval_tree$at" \
       "$log" drafter=tree "drafter.path=$path" "drafter.name=${name}_tree" "drafter.budget=${TREE_N:-4}" "${LONG_VOCAB[@]}"
   done
 }
@@ -131,7 +147,8 @@ precision_job() {  # precision_job PRECISION SEED: l2r_all for 5K steps in train
     train ablation_long "$run" loss=l2r_all "seed=$2" "trainer.precision=$1" train.max_steps=5000 \
       "train.snapshot_steps=[]" "hydra.sweep.subdir=$run" "name=ablation_long-$run"
     [[ -f "$dir/train_summary.json" ]] || exit 0
-    TEMPERATURES='[0.0]' evaluated "$dir/eval/results.json" || TEMPERATURES='[0.0]' decode "$dir/eval" \
+    TEMPERATURES='[0.0]' evaluated "$dir/eval/results.json" "max_draft_tokens=${CHAIN_W:-3}" \
+      || TEMPERATURES='[0.0]' decode "$dir/eval" \
       "$runs/queue_logs/ablation_long-$run.log" "drafter.path=$dir/drafter" "drafter.name=l2r_all_$1" \
       "drafter.max_draft_tokens=${CHAIN_W:-3}" "${LONG_VOCAB[@]}"
   ) 8>"$runs/queue_logs/.ablation_long-$run.lock"

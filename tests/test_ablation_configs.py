@@ -111,13 +111,16 @@ def test_the_depth_runs_are_the_main_jobs_training_with_two_layers():
 FAKE_PYTHON = r'''#!/usr/bin/env python3
 """Stands in for the queue's python: records each call, writes what a finished training or evaluation leaves."""
 import json, os, pathlib, sys, time
-module, kv = sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:])
+if sys.argv[1] == "-c":  # the long queue's precision probe
+    sys.exit(print(os.environ.get("FAKE_PRECISION", "32")))
+module, kv = sys.argv[2], dict(a.lstrip("+").split("=", 1) for a in sys.argv[3:])
 runs = pathlib.Path(os.environ["BLOCKDRAFT_RUNS"])
 if module == "experiments.train":
     swept = [k for k in kv if k.startswith("loss.")]  # a loss sweep: <key><value>-s<seed>
-    sub = ({"l2r_ablation": "{loss}-s{seed}", "l2r_budget": "{loss}-x{budget}-s{seed}",
-            "l2r_layers": "{loss}-L{layers}-s{seed}"}[kv["experiment"]].format(**kv) if not swept else
-           f"{swept[0][5:]}{kv[swept[0]]}-s{kv['seed']}")
+    sub = kv.get("hydra.sweep.subdir") or (
+        {"l2r_ablation": "{loss}-s{seed}", "l2r_budget": "{loss}-x{budget}-s{seed}", "ablation_long": "{loss}-s{seed}",
+         "l2r_layers": "{loss}-L{layers}-s{seed}"}[kv["experiment"]].format(**kv) if not swept else
+        f"{swept[0][5:]}{kv[swept[0]]}-s{kv['seed']}")
     run = runs / "multirun" / kv["experiment"] / sub
     run.mkdir(parents=True, exist_ok=True)
     try:
@@ -126,17 +129,22 @@ if module == "experiments.train":
         sys.exit(3)
     time.sleep(0.05)
     (run / "busy").rmdir()
+    (run / "drafter").mkdir(exist_ok=True)
     (run / "train_summary.json").write_text("{}")
-else:  # a trained run's <run>/eval, or a baseline's own folder
+else:  # a trained run's <run>/eval (eval_tree, ...), or a baseline's own folder
     out = pathlib.Path(kv["hydra.run.dir"])
-    run = out.parent if out.name == "eval" else out
+    run = out.parent if out.name.startswith("eval") else out
     keys = {f"t{float(t):g}": {} for t in json.loads(kv["temperatures"])}
+    config = ({"max_draft_tokens": int(kv["drafter.max_draft_tokens"])} if "drafter.max_draft_tokens" in kv else
+              {"tree_policy": {"budget": int(kv["drafter.budget"])}} if "drafter.budget" in kv else {})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"results": {s: keys for s in ("a", "b", "c")}}))
+    (out / "results.json").write_text(json.dumps({"drafter": {"config": config},
+                                                  "results": {s: keys for s in ("a", "b", "c")}}))
 with open(runs / "calls.jsonl", "a") as f:
     f.write(json.dumps({"module": module, "run": str(run.relative_to(runs)), "threads": kv["num_threads"],
                         "name": kv.get("drafter.name"), "temperatures": kv.get("temperatures"),
-                        "drafter": kv.get("drafter"), "path": kv.get("drafter.path")}) + "\n")
+                        "drafter": kv.get("drafter"), "path": kv.get("drafter.path"),
+                        "out": kv.get("hydra.run.dir"), "redo": kv.get("redo_if_changed")}) + "\n")
 '''
 
 
@@ -194,3 +202,24 @@ def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_miss
     assert (tmp_path / "runs" / ".ablation_queue.pid").read_text().strip().isdigit()  # what `kill` is given
     again = _run_queue(tmp_path, TEMPERATURES="[0.0,1.0]")
     assert {c["module"] for c in again} == {"experiments.evaluate"} and {c["run"] for c in again} == expected - ablation
+
+
+def test_the_long_queue_trains_each_run_once_and_evaluates_again_only_what_another_width_changes(tmp_path):
+    """QUEUE=long: the six losses and dpace/soft_all at 2 seeds (and bfloat16's quality check where the CPU has it),
+    each evaluated as a chain of CHAIN_W and a tree of TREE_N; a relaunch with another CHAIN_W evaluates the chains
+    again (the old results moved aside by the evaluation: redo_if_changed) and leaves the trees alone."""
+    from collections import Counter
+
+    calls = _run_queue(tmp_path, QUEUE="long", WORKERS="2", THREADS="1", FAKE_PRECISION="bf16-mixed")
+    trained = Counter(c["run"].rsplit("/", 1)[-1] for c in calls if c["module"] == "experiments.train")
+    losses = ["uniform", "l2r_all", "decay", "focal", "chain", "decay_focal", "dpace", "soft_all"]
+    precision = {f"precision-{p}-s{seed}" for p in ("32", "bf16-mixed") for seed in (0, 1)}
+    assert trained == Counter({f"{loss}-s{seed}" for loss in losses for seed in (0, 1)} | precision)
+    evals = [c for c in calls if c["module"] == "experiments.evaluate"]
+    assert {c["redo"] for c in evals} == {"true"} and len(evals) == 2 * 16 + 4  # a chain and a tree per run
+    assert _run_queue(tmp_path, QUEUE="long", FAKE_PRECISION="bf16-mixed") == []
+    again = _run_queue(tmp_path, QUEUE="long", FAKE_PRECISION="bf16-mixed", CHAIN_W="5")
+    chains = {c["out"].rsplit("/", 2)[-2] for c in again}
+    assert {c["module"] for c in again} == {"experiments.evaluate"} and {c["drafter"] for c in again} == {None}
+    assert chains == {f"{loss}-s{seed}" for loss in losses for seed in (0, 1)} | precision
+    assert {c["out"].rsplit("/", 1)[-1] for c in again} == {"eval"}
