@@ -3,7 +3,8 @@
 A small causal LM with the target's vocabulary, trained on the response tokens of the drafters'
 regenerated data and exported in Hugging Face format with the target's tokenizer and a model card
 (see :mod:`experiments.pipeline.assistant`; settings in ``conf/train_assistant.yaml``). The run dir is
-fixed per target, so the same command resumes from ``checkpoints/last.ckpt``. Evaluate the result with
+fixed per target, so the same command resumes from ``checkpoints/last.ckpt`` (refused, naming them, where the
+model, data or optimiser settings differ from its ``run_settings.json``). Evaluate the result with
 ``python -m experiments.evaluate drafter=ar_assistant drafter.path=<export dir>``.
 """
 

@@ -68,6 +68,9 @@ def test_train_export_resume(env, monkeypatch):
     assert next(model.parameters()).dtype == torch.float16 and model.config.num_hidden_layers == 1
     assert model.config.vocab_size == env["target"].config.vocab_size
 
+    with pytest.raises(ValueError, match=r"trained with other settings.*optimizer\.lr: 0\.001 -> 0\.002"):
+        run_main(train_assistant, [*_args(env, run_dir, 6), "optimizer.lr=2e-3"])  # refused before anything changes
+    assert json.loads((run_dir / "run_settings.json").read_text())["settings"]["optimizer.lr"] == 1e-3
     run_main(train_assistant, _args(env, run_dir, 6))  # the same command with a larger budget resumes
     meta = json.loads((export / "training.json").read_text())
     assert meta["steps"] == 6 and meta["resumed_from_step"] == 4

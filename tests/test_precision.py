@@ -160,18 +160,24 @@ def test_a_run_resumes_only_in_the_precision_it_trained_in(tmp_path, flags):
     """run_settings.json records the arithmetic a run trained in; resumed where trainer.precision resolves to the
     other (auto on another CPU) it is refused, naming both and the setting that resumes it; a record from before the
     key resumes as it did."""
-    from experiments.pipeline.training import FINGERPRINT, check_resume_settings
+    from experiments.pipeline import run_settings
+    from experiments.pipeline.trainer import compute_dtype
+    from experiments.pipeline.training import RESUME_KEYS
+
+    def check():
+        run_settings.check(tmp_path, cfg, RESUME_KEYS, compute_dtype(cfg))
 
     cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "precision": "auto"}})
-    (tmp_path / FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": {}, "precision": "bfloat16"}))
+    (tmp_path / run_settings.FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": {},
+                                                                  "precision": "bfloat16"}))
     flags(NO_BF16 | {"avx512_bf16"})
-    check_resume_settings(tmp_path, cfg)
+    check()
     flags(NO_BF16)
     with pytest.raises(ValueError, match=r"trained in bfloat16 and would resume in float32 \(trainer.precision=auto "
-                                         r"on this CPU\).* trainer.precision=bf16-mixed"):
-        check_resume_settings(tmp_path, cfg)
-    (tmp_path / FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": {}}))
-    check_resume_settings(tmp_path, cfg)
+                                         r"on this CPU;.* trainer.precision=bf16-mixed"):
+        check()
+    (tmp_path / run_settings.FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": {}}))
+    check()
 
 
 def test_a_shipped_cards_training_names_its_precision(tmp_path):

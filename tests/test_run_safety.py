@@ -159,7 +159,15 @@ def test_resume_ignores_where_the_recorded_answers_lie_but_not_the_data(tmp_path
     against a run_settings.json saved with that path in it; other data settings are refused."""
     from omegaconf import OmegaConf
 
-    from experiments.pipeline.training import FINGERPRINT, check_resume_settings, run_fingerprint
+    from experiments.pipeline.run_settings import FINGERPRINT, check
+    from experiments.pipeline.run_settings import run_fingerprint as fingerprint
+    from experiments.pipeline.training import RESUME_KEYS
+
+    def run_fingerprint(cfg):
+        return fingerprint(cfg, RESUME_KEYS)
+
+    def check_resume_settings(run_dir, cfg):
+        check(run_dir, cfg, RESUME_KEYS)
 
     def config(path: str, seed: int):
         return OmegaConf.create({"data": {"backend": {"path": path, "check_batches": 1}, "generation": {"seed": seed}},

@@ -27,7 +27,7 @@ soft-label loss gets the target's distributions at the drafted slots without run
 
 Precision and storage. The target's pass runs in ``precision``: ``float32``, or ``bfloat16`` (autocast: the
 target's matmuls in bfloat16, its weights, norms and residual sums in float32), which training chooses where it
-trains under bfloat16 autocast (``experiments.pipeline.training.feature_precision``: a CPU with bfloat16
+trains under bfloat16 autocast (``experiments.pipeline.trainer.compute_dtype``: a CPU with bfloat16
 instructions), ~1.7x the tokens/s of float32 on a Zen 4 EPYC (docs/bench.md, ``precision``). Either way the
 features are stored in ``dtype``, float16 by default: half the disk and page cache of float32, and 11 significant bits, more than the
 8 of a bfloat16 matmul's output, so storing adds little to what the pass rounded (numpy has no bfloat16 to store

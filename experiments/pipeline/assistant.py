@@ -36,8 +36,9 @@ from drafters.integrity import write_assistant_record
 from drafters.tau import greedy_walk
 from drafters.training.datamodule import read_meta
 from experiments.data.target import load_target
+from experiments.pipeline import run_settings
 from experiments.pipeline.paths import cache_path, portable_path
-from experiments.pipeline.trainer import build_trainer, train_seconds
+from experiments.pipeline.trainer import build_trainer, compute_dtype, train_seconds
 
 # ----------------------------------------------------------------------------- model
 
@@ -252,6 +253,10 @@ def _totals_line(meta: dict) -> str:
 
 # ----------------------------------------------------------------------------- the training run
 
+# What a resumed assistant training must share with the run it continues (experiments.pipeline.run_settings).
+# (Not the initialisation: a resume takes its weights from the checkpoint.)
+RESUME_KEYS = ("target", "model", "data", "optimizer", "scheduler", "seed", "train.gradient_clip_val")
+
 
 def _keep_earlier_csv(logger, step: int) -> None:
     """Lightning's CSVLogger deletes an existing metrics.csv: keep a resumed run's earlier rows beside it."""
@@ -295,6 +300,9 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
     last = run_dir / "checkpoints" / "last.ckpt"
     # checked before anything changes: a damaged file is named (drafters.storage.DamagedFileError)
     first_step = int(storage.read_checkpoint(last, ("global_step",))["global_step"]) if last.is_file() else None
+    if first_step is not None:
+        run_settings.check(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))  # the same model, data and optimiser
+    run_settings.write(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))
     logger = hydra.utils.instantiate(cfg.logger)
     if first_step is not None:
         _keep_earlier_csv(logger, first_step)

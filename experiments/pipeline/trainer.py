@@ -80,6 +80,12 @@ def trainer_precision(cfg: DictConfig) -> str | int:
     return resolve_precision(cfg.trainer.get("precision", FLOAT32), cfg.trainer.get("accelerator", "cpu"))
 
 
+def compute_dtype(cfg: DictConfig) -> str:
+    """The arithmetic ``cfg`` trains in: ``"bfloat16"`` under bfloat16 autocast (:func:`trainer_precision`), else
+    ``"float32"``; the drafters' target feature pass runs in it too."""
+    return "bfloat16" if str(trainer_precision(cfg)).startswith("bf16") else "float32"
+
+
 def precision_record(cfg: DictConfig) -> dict:
     """What a training summary says of its precision: asked for, trained in, and the CPU flags that decided."""
     return {"requested": str(cfg.trainer.get("precision", FLOAT32)), "resolved": str(trainer_precision(cfg)),

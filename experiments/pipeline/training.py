@@ -48,16 +48,17 @@ from drafters.training.features import features_dir as features_folder
 from drafters.training.vocab import coverage, frequent_tokens
 from drafters.variants.hint_lookup import HintStore
 from experiments.data.target import load_target, signature_matches
+from experiments.pipeline import run_settings
 from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
 from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.trainer import (
     build_trainer,
+    compute_dtype,
     keep_csv_history,
     merge_csv_history,
     precision_record,
     train_seconds,
-    trainer_precision,
 )
 
 
@@ -136,21 +137,15 @@ def build(cfg: DictConfig):
     return target, tokenizer, module, datamodule
 
 
-def feature_precision(cfg: DictConfig) -> str:
-    """The precision of the target's feature pass (:mod:`drafters.training.features`): bfloat16 where training runs
-    under bfloat16 autocast (``trainer.precision`` resolved, :func:`experiments.pipeline.trainer.resolve_precision`),
-    else float32."""
-    return "bfloat16" if str(trainer_precision(cfg)).startswith("bf16") else "float32"
-
-
 def feature_cache(cfg: DictConfig, target, layer_ids) -> Path:
     """The data dir's feature cache of ``layer_ids`` (computed first when missing; one job computes it, others wait).
-    The hidden states are computed in :func:`feature_precision`; the final states of soft labels (:data:`HEAD`)
+    The hidden states are computed in the training's arithmetic (:func:`experiments.pipeline.trainer.compute_dtype`:
+    bfloat16 under bfloat16 autocast, else float32); the final states of soft labels (:data:`HEAD`)
     always in float32, as they rebuild the target's logits."""
     features, max_length = cfg.data.features, cfg.data.datamodule.max_length
     head = tuple(layer_ids) == (HEAD,)
     dtype = features.get("head_dtype", "float32") if head else features.dtype
-    precision = "float32" if head else feature_precision(cfg)
+    precision = "float32" if head else compute_dtype(cfg)
     folder = features_folder(cfg.data.data_dir, layer_ids, dtype, max_length, precision)
     with locks.hold(folder, "feature cache", wait=True):
         return compute_features(target, regen.load_regenerated(cfg.data.data_dir)["input_ids"], folder,
@@ -159,18 +154,11 @@ def feature_cache(cfg: DictConfig, target, layer_ids) -> Path:
                                 precision=precision)
 
 
-# What a resumed run must share with the run it continues (dotted prefixes of the resolved config);
-# the budget (train.max_steps and what follows from it) may change, as may what does not change the
-# optimisation (logging, validation cadence, threads, trainer, evaluation) and where the recorded answers lie
-# (data.backend.path: a re-clone or worktree; the run reads data.data_dir, named by the data settings).
+# What a resumed run must share with the run it continues (dotted prefixes of the resolved config,
+# experiments.pipeline.run_settings); the budget may change, as may what does not change the optimisation (logging,
+# validation cadence, threads, trainer, evaluation; run_settings.RESUME_FREE).
 RESUME_KEYS = ("target", "drafter", "loss", "data", "module", "optimizer", "scheduler", "seed",
                "train.gradient_clip_val", "train.accumulate_grad_batches")
-RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
-               "data.features.batch_size", "data.features.head_dtype",  # runs saved before it lack the key
-               "data.datamodule.num_workers", "data.datamodule.val_batch_size",
-               "data.datamodule.max_val_samples", "drafter.gradient_checkpointing",
-               "drafter.allow_other_target", "drafter.allow_edited_settings", "data.backend.path")
-FINGERPRINT = "run_settings.json"
 # train.* numbers: (key, kinds accepted, smallest value); checked before anything is built.
 TRAIN_NUMBERS = (("max_steps", (int,), 1), ("val_every", (int,), 1), ("checkpoint_every", (int,), 1),
                  ("accumulate_grad_batches", (int,), 1), ("gradient_clip_val", (int, float, type(None)), 0),
@@ -184,51 +172,6 @@ def check_train_numbers(cfg: DictConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, kinds) or (value is not None and value < low):
             want = "an integer" if kinds == (int,) else "a number or null"
             raise ValueError(f"train.{key} must be {want} >= {low}, got {value!r}")
-
-
-def _flatten(obj, prefix: str) -> dict:
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: obj}
-
-
-def run_fingerprint(cfg: DictConfig) -> dict:
-    """The settings a resumed run must keep (:data:`RESUME_KEYS` minus :data:`RESUME_FREE`), flat."""
-    full = _flatten(OmegaConf.to_container(cfg, resolve=True), "")
-    keep = {k: v for k, v in full.items() if any(k == p or k.startswith(p + ".") for p in RESUME_KEYS)}
-    return _not_free(keep)
-
-
-def _not_free(settings: dict) -> dict:
-    """``settings`` (flat) without the keys under :data:`RESUME_FREE`, sorted."""
-    return {k: v for k, v in sorted(settings.items())
-            if not any(k == p or k.startswith(p + ".") for p in RESUME_FREE)}
-
-
-def check_resume_settings(run_dir: Path, cfg: DictConfig) -> None:
-    """Refuse to resume a run trained with other loss/drafter/data/optimiser settings, naming them."""
-    path = run_dir / FINGERPRINT
-    if not path.is_file():
-        return  # a run from before fingerprints: accepted, and fingerprinted now
-    saved = storage.read_json(path, "run settings")
-    old, new = _not_free(saved.get("settings", {})), run_fingerprint(cfg)  # saved before a key was freed: freed
-    choices = {k: (v, _choices().get(k)) for k, v in (saved.get("choices") or {}).items() if v != _choices().get(k)}
-    diffs = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
-             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    was = saved.get("precision")  # trainer.precision=auto resolves by the CPU: another one may resolve it otherwise
-    if was is not None and was != (now := feature_precision(cfg)):
-        raise ValueError(f"{run_dir} trained in {was} and would resume in {now} (trainer.precision="
-                         f"{cfg.trainer.get('precision')} on this CPU), with the other feature cache: resume it with "
-                         f"trainer.precision={'bf16-mixed' if was == 'bfloat16' else '32'}, or choose another name=")
-    if diffs:
-        raise ValueError(f"{run_dir} was trained with other settings; a resumed run keeps its loss, drafter, data "
-                         f"and optimiser settings (only the budget, train.max_steps, may change)"
-                         + "".join(f" ({k}: {a} -> {b})" for k, (a, b) in choices.items()) + ". Differences "
-                         f"(saved -> now): {'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. "
-                         f"Choose another name=, or delete {run_dir} to start over")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -259,7 +202,7 @@ def _resume_step(cfg: DictConfig, run_dir: Path) -> int | None:
         raise FileExistsError(f"{last} exists and resume=false: choose another name= or delete {run_dir}")
     if not last.exists():
         return None
-    check_resume_settings(run_dir, cfg)
+    run_settings.check(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))
     return int(storage.read_checkpoint(last)["global_step"])
 
 
@@ -305,7 +248,7 @@ def _summary(cfg: DictConfig, trainer: L.Trainer, module, datamodule, saved: int
         "overrides": _overrides(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "precision": {**precision_record(cfg), "feature_pass": feature_precision(cfg) if _features_on(cfg) else None},
+        "precision": {**precision_record(cfg), "feature_pass": compute_dtype(cfg) if _features_on(cfg) else None},
     }
 
 
@@ -326,8 +269,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
     if _rank_zero():
         commit_hydra_records(run_dir)
-        storage.write_json_atomic(run_dir / FINGERPRINT, {"choices": _choices(), "settings": run_fingerprint(cfg),
-                                                          "precision": feature_precision(cfg)})
+        run_settings.write(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
         return {}
@@ -344,13 +286,6 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
 
 def _features_on(cfg: DictConfig) -> bool:
     return bool((cfg.data.get("features") or {}).get("enabled"))
-
-
-def _choices() -> dict:
-    """The config group choices of the resumable sections (``loss: uniform``), for messages."""
-    if not HydraConfig.initialized():
-        return {}
-    return {k: v for k, v in HydraConfig.get().runtime.choices.items() if k in ("target", "drafter", "loss", "data")}
 
 
 def _overrides() -> list[str]:
