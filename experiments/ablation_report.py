@@ -78,14 +78,14 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
 
 
 def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False,
-            baseline: str = "uniform") -> tuple[list[Run], dict | None]:
+            baseline: str = "uniform", untimed: str | None = None) -> tuple[list[Run], dict | None]:
     """Write the report of ``paths`` into ``out``; returns its runs and report.json's content (None, the part skipped
     and named, while no run of ``baseline`` is evaluated)."""
     runs = order_runs(load_runs(paths), order, baseline)
     if baseline not in {r.config for r in runs} | {r.name for r in runs}:
         print(f"[ablation_report] {out.name}: no evaluated {baseline} run yet, skipped", flush=True)
         return runs, None
-    report = write_report(runs, out, baseline=baseline, paper=paper)
+    report = write_report(runs, out, baseline=baseline, paper=paper, untimed=untimed)
     print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
     return runs, report
 
@@ -93,6 +93,9 @@ def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool 
 # report folder -> (the evaluation folder of each ablation_long run, the baseline row)
 LONG_PARTS = {"ablation_long": ("eval", "uniform"), "ablation_long_tree": ("eval_tree", "uniform_tree"),
               "ablation_long_5k": ("eval_5k", "uniform"), "ablation_long_tree_5k": ("eval_tree_5k", "uniform_tree")}
+# why the long reports leave out their evaluations' tokens/s
+QUEUE_TIMES = ("the queue evaluates each drafter niced beside another training, and pauses with it, so its tokens/s "
+               "measure the machine's load (the main job's speed stage times drafters alone)")
 # the queue's precision-<trainer.precision>-s<seed> runs: the precision's name in the quality check
 PRECISION_NAMES = {"32": "float32", "bf16-mixed": "bfloat16"}
 
@@ -170,7 +173,7 @@ def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:
             print(f"[ablation_report] {name}: fewer than two evaluated runs yet, skipped", flush=True)
             continue
         order = [f"{loss}_tree" if baseline.endswith("_tree") else loss for loss in ORDER]
-        if _report(paths, out / name, order, paper=sub == "eval", baseline=baseline)[1] is not None:
+        if _report(paths, out / name, order, paper=sub == "eval", baseline=baseline, untimed=QUEUE_TIMES)[1] is not None:
             written.append(name)
     if "ablation_long" in written:
         write_beside(out, written, short)

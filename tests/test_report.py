@@ -619,6 +619,8 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     assert written == ["ablation_long", "ablation_long_tree", "ablation_long_5k", "ablation_long_precision"]
     chain = json.loads((out / "ablation_long" / "report.json").read_text())
     assert {c["config"] for c in chain["configurations"]} == {"uniform", "decay"}
+    text = (out / "ablation_long" / "report.md").read_text()  # timed evaluations, but timed beside trainings
+    assert "Speeds are not shown: the queue evaluates" in text and "tok/s" not in text
     assert sorted(c["seed"] for c in chain["configurations"]) == [0, 0, 1, 1]  # not decay-s2
     tree = json.loads((out / "ablation_long_tree" / "report.json").read_text())
     assert [c["config"] for c in tree["configurations"]][:2] == ["uniform_tree", "uniform_tree"]

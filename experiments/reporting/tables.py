@@ -129,8 +129,9 @@ def budget_lines(configurations: Sequence[dict], base: str) -> list[str]:
     return ["", line]
 
 
-def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
-    """report.md: per temperature, tables of τ, gain over the baseline, and speed."""
+def render_markdown(report: dict, plots: Sequence[str] = (), untimed: str | None = None) -> str:
+    """report.md: per temperature, tables of τ, gain over the baseline, and speed (``untimed``: why the evaluations'
+    speeds mean nothing, said once instead of their tables)."""
     names = [c["name"] for c in report["configurations"]]
     base = report["baseline"]
     lines = ["# blockdraft: accepted length per configuration", ""]
@@ -145,6 +146,7 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
     if seeds:
         lines += _seed_sections(report, seeds)
         lines += ["", "# Per run", ""]
+    lines += ["", f"Speeds are not shown: {untimed}."] if untimed else []
     lines += ["", "Configurations:", ""]
     if report.get("runs_folder"):
         lines += [f"(Paths from the repository's root, or else from the runs' folder `{report['runs_folder']}`.)", ""]
@@ -165,7 +167,7 @@ def render_markdown(report: dict, plots: Sequence[str] = ()) -> str:
                              for n, c in zip(names, report["configurations"])
                              if n in here and base not in (n, c["config"])])
             lines += budget_lines([c for c in report["configurations"] if c["name"] in here], base)
-        lines += _speed_section(report["table"][key], [s for s in columns if s != MEAN], here)
+        lines += _speed_section(report["table"][key], [s for s in columns if s != MEAN], here) if not untimed else []
         lines += _source_section(report.get("draft_sources", {}).get(key, {}), names)
     if plots:
         lines += ["", "## Plots"]

@@ -64,10 +64,12 @@ def make_paths_portable(report: dict) -> Path | None:
     return base
 
 def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "uniform",
-                 num_bootstrap: int = 1000, seed: int = 0, speed_runs: Sequence[Run] = (), paper: bool = False) -> dict:
+                 num_bootstrap: int = 1000, seed: int = 0, speed_runs: Sequence[Run] = (), paper: bool = False,
+                 untimed: str | None = None) -> dict:
     """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``).
     ``speed_runs``: evaluations at batch 1 whose speeds make the report's speed section (:mod:`.speed`);
-    ``paper``: a section with the paper's figures beside this report's (:mod:`.paper`)."""
+    ``paper``: a section with the paper's figures beside this report's (:mod:`.paper`); ``untimed``: why the
+    evaluations' own speeds are left out (:func:`.tables.render_markdown`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
@@ -91,7 +93,7 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
                                           out / "training_curves.png", f"Training: {CURVE_METRIC}, mean over seeds"))
     elif curves:
         plots.append(plot_training_curves(curves, out / "training_curves.png"))
-    markdown = render_markdown(report, plots)
+    markdown = render_markdown(report, plots, untimed)
     if paper:
         report["paper_tau"] = PAPER_TAU
         markdown += "\n".join(line for key in report["table"] for line in
