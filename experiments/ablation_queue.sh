@@ -163,9 +163,12 @@ long_queue() {  # QUEUE=long: the paper's ablation at the long budget (issue 75)
   elif [[ "$auto" != bf16-mixed ]]; then
     echo "[queue $worker] trainer.precision=auto is $auto on this CPU: no bfloat16 quality check"
   else for seed in 0 1; do precision_job 32 "$seed"; precision_job bf16-mixed "$seed"; done; fi
+  # the single terms and their baseline at both seeds first (5 configurations x 2 seeds answer the issue, with the
+  # composition ratio), then the composition decay_focal, then dpace and soft_all
   for seed in 0 1; do
-    for loss in uniform l2r_all decay focal chain decay_focal; do long_job "$loss" "$seed"; done
+    for loss in uniform l2r_all decay focal chain; do long_job "$loss" "$seed"; done
   done
+  for seed in 0 1; do long_job decay_focal "$seed"; done
   for seed in 0 1; do for loss in dpace soft_all; do long_job "$loss" "$seed"; done; done
 }
 

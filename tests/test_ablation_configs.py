@@ -215,6 +215,8 @@ def test_the_long_queue_trains_each_run_once_and_evaluates_again_only_what_anoth
     losses = ["uniform", "l2r_all", "decay", "focal", "chain", "decay_focal", "dpace", "soft_all"]
     precision = {f"precision-{p}-s{seed}" for p in ("32", "bf16-mixed") for seed in (0, 1)}
     assert trained == Counter({f"{loss}-s{seed}" for loss in losses for seed in (0, 1)} | precision)
+    order = [c["run"].rsplit("/", 1)[-1] for c in calls if c["module"] == "experiments.train"]
+    assert order.index("decay_focal-s0") > order.index("chain-s1")  # 5 configurations x 2 seeds first
     evals = [c for c in calls if c["module"] == "experiments.evaluate"]
     assert {c["redo"] for c in evals} == {"true"} and len(evals) == 2 * 16 + 4  # a chain and a tree per run
     assert _run_queue(tmp_path, QUEUE="long", FAKE_PRECISION="bf16-mixed") == []
