@@ -199,7 +199,10 @@ def write_json_atomic(path: str | Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename: a machine that goes down leaves the old file or the new
     os.replace(tmp, path)
 
 

@@ -41,7 +41,7 @@ LOSSES=(uniform decay focal chain decay_focal l2r_all dpace soft_all)
 train() {  # train EXPERIMENT RUN_SUBDIR OVERRIDES...: one training unless it finished; its log per run
   local experiment=$1 run=$2; shift 2
   local dir="$runs/multirun/$experiment/$run" log="$runs/queue_logs/$experiment-$run.log"
-  [[ -f "$dir/train_summary.json" ]] && return 0
+  [[ -s "$dir/train_summary.json" ]] && return 0
   local start=$SECONDS
   echo "[queue $worker] $(date -u +%FT%TZ) $experiment/$run: training (log $log)"
   nice -n "${NICE:-19}" "$py" -m experiments.train "experiment=$experiment" launch=run "num_threads=$threads" "$@" \
@@ -94,7 +94,7 @@ baseline() {  # baseline NAME OVERRIDES...: the untrained drafter=NAME at T=0 an
   local name=$1; shift
   ( flock -n 8 || exit 0
     export TEMPERATURES='[0.0,1.0]'
-    evaluated "$runs/baselines/$name/results.json" && exit 0
+    evaluated "$runs/baselines/$name/results.json" "num_draft_tokens=${BASELINE_K:-2}" && exit 0
     decode "$runs/baselines/$name" "$runs/queue_logs/baseline-$name.log" "drafter=$name" \
       "drafter.num_draft_tokens=${BASELINE_K:-2}" "$@" ) 8>"$runs/queue_logs/.baseline-$name.lock"
 }

@@ -136,7 +136,8 @@ else:  # a trained run's <run>/eval (eval_tree, ...), or a baseline's own folder
     run = out.parent if out.name.startswith("eval") else out
     keys = {f"t{float(t):g}": {} for t in json.loads(kv["temperatures"])}
     config = ({"max_draft_tokens": int(kv["drafter.max_draft_tokens"])} if "drafter.max_draft_tokens" in kv else
-              {"tree_policy": {"budget": int(kv["drafter.budget"])}} if "drafter.budget" in kv else {})
+              {"tree_policy": {"budget": int(kv["drafter.budget"])}} if "drafter.budget" in kv else
+              {"num_draft_tokens": int(kv["drafter.num_draft_tokens"])} if "drafter.num_draft_tokens" in kv else {})
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"drafter": {"config": config},
                                                   "results": {s: keys for s in ("a", "b", "c")}}))
@@ -202,6 +203,8 @@ def test_the_queues_workers_share_the_runs_and_a_relaunch_only_adds_what_is_miss
     assert (tmp_path / "runs" / ".ablation_queue.pid").read_text().strip().isdigit()  # what `kill` is given
     again = _run_queue(tmp_path, TEMPERATURES="[0.0,1.0]")
     assert {c["module"] for c in again} == {"experiments.evaluate"} and {c["run"] for c in again} == expected - ablation
+    again = _run_queue(tmp_path, BASELINE_K="3", ASSISTANT="main/assistant/export")  # the baselines' K changed: evaluated again (redo_if_changed)
+    assert {c["run"] for c in again} == set(baselines) and {c["redo"] for c in again} == {"true"}
 
 
 def test_the_long_queue_trains_each_run_once_and_evaluates_again_only_what_another_width_changes(tmp_path):

@@ -172,8 +172,9 @@ def test_without_a_vllm_environment_the_serve_check_is_skipped_and_the_log_says_
 
 
 def test_a_resumed_job_keeps_choose_k_only_where_its_arguments_are_the_same(tmp_path, monkeypatch):
-    """choose_k.json is kept by a resumed job where the stage wrote it with the same arguments; with a new grid, or
-    where the stage did not finish (no choose_k.json.args.json beside it), K is chosen again."""
+    """choose_k.json is kept by a resumed job where the stage wrote it with the same arguments and models; with a new
+    grid, a drafter's weights changed at the same path, or where the stage did not finish (no choose_k.json.args.json
+    beside it), K is chosen again."""
     monkeypatch.setenv("BLOCKDRAFT_VLLM_ENV", str(tmp_path / "no-vllm"))
 
     def choices(*overrides):
@@ -186,6 +187,8 @@ def test_a_resumed_job_keeps_choose_k_only_where_its_arguments_are_the_same(tmp_
     assert (choices("choose_k.ks=[1,2]"), choices("choose_k.ks=[1,2]")) == (1, 0)
     (tmp_path / "choose_k.json.args.json").unlink()  # as a stage cut after writing choose_k.json leaves it
     assert choices("choose_k.ks=[1,2]") == 1
+    (tmp_path / "assets" / "l2r_all_long" / "model.safetensors").write_bytes(b"trained further")  # same path
+    assert (choices("choose_k.ks=[1,2]"), choices("choose_k.ks=[1,2]")) == (1, 0)
 
 
 def test_a_serve_check_of_a_drafter_the_job_does_not_have_is_refused_before_any_stage(tmp_path, monkeypatch):

@@ -161,11 +161,11 @@ def test_a_run_resumes_only_in_the_precision_it_trained_in(tmp_path, flags):
     other (auto on another CPU) it is refused, naming both and the setting that resumes it; a record from before the
     key resumes as it did."""
     from experiments.pipeline import run_settings
-    from experiments.pipeline.trainer import compute_dtype
+    from experiments.pipeline.trainer import arithmetic
     from experiments.pipeline.training import RESUME_KEYS
 
     def check():
-        run_settings.check(tmp_path, cfg, RESUME_KEYS, compute_dtype(cfg))
+        run_settings.check(tmp_path, cfg, RESUME_KEYS, arithmetic(cfg))
 
     cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "precision": "auto"}})
     (tmp_path / run_settings.FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": {},
@@ -178,6 +178,13 @@ def test_a_run_resumes_only_in_the_precision_it_trained_in(tmp_path, flags):
         check()
     (tmp_path / run_settings.FINGERPRINT).write_text(json.dumps({"choices": {}, "settings": {}}))
     check()
+    run_settings.write(tmp_path, cfg, RESUME_KEYS, arithmetic(cfg), resumed=True)  # what it trained in is not known
+    assert "precision" not in json.loads((tmp_path / run_settings.FINGERPRINT).read_text())
+    cfg.trainer.precision = "16-mixed"  # float16 is not float32: a switch either way is refused
+    run_settings.write(tmp_path, cfg, RESUME_KEYS, arithmetic(cfg), resumed=False)
+    cfg.trainer.precision = "32-true"
+    with pytest.raises(ValueError, match=r"trained in float16 and would resume in float32.* trainer.precision=16-mixed"):
+        check()
 
 
 def test_a_shipped_cards_training_names_its_precision(tmp_path):

@@ -33,11 +33,12 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.storage import write_json_atomic
+from drafters.storage import file_digest, write_json_atomic
 from experiments.data.suites import cache_dir
 from experiments.pipeline.paths import REPO
 from experiments.pipeline.records import machine, matmul_gflops
@@ -62,18 +63,23 @@ def stage(name: str, module: str, overrides: list[str], log: dict) -> None:
         raise SystemExit(f"stage {name!r} failed with exit code {proc.returncode}: {' '.join(cmd[1:])}")
 
 
-def stage_once(name: str, module: str, overrides: list[str], log: dict, done: Path) -> None:
+def stage_once(name: str, module: str, overrides: list[str], log: dict, done: Path,
+               models: Sequence[str | Path] = ()) -> None:
     """:func:`stage`, unless ``done`` (the file whose presence marks it finished) was written by a stage with these
-    same arguments (``<done>.args.json``, written once the stage succeeds): a resumed job keeps its result, and
-    runs it again where its arguments changed (a new grid, drafter or setting) or it was cut before finishing."""
+    same arguments and ``models`` (folders: their safetensors' content hash) (``<done>.args.json``, written once the
+    stage succeeds): a resumed job keeps its result, and runs it again where its arguments changed (a new grid,
+    drafter or setting), a model was trained further or replaced, or it was cut before finishing."""
     record = done.with_name(done.name + ".args.json")
-    if done.is_file() and record.is_file() and json.loads(record.read_text()) == overrides:
+    inputs = {"args": overrides,
+              "models": {str(m): file_digest(sorted(Path(m).glob("*.safetensors"))) for m in models}}
+    if done.is_file() and record.is_file() and json.loads(record.read_text()) == inputs:
         return
     if done.is_file():
-        print(f"\n=== [{name}] run again: {done} was not written by this stage with these arguments", flush=True)
+        print(f"\n=== [{name}] run again: {done} was not written by this stage with these arguments and models",
+              flush=True)
     record.unlink(missing_ok=True)
     stage(name, module, overrides, log)
-    write_json_atomic(record, overrides)
+    write_json_atomic(record, inputs)
 
 
 def save_summary(log: dict) -> None:
@@ -189,7 +195,9 @@ def _choose_k(cfg: DictConfig, run_dir: Path, fill: dict, blocks: dict[str, Path
     for key in ("tree_budgets", "hybrid_matches", "hybrid_depths"):  # the tree grid (choose_k's defaults where unset)
         if spec.get("trees") and spec.get(key):
             args += [f"--{key.replace('_', '-')}", *map(str, spec[key])]
-    stage_once("choose K", "experiments.pipeline.choose_k", args, log, out)  # a resumed job keeps the K it chose
+    models = [*([fill["assistant_dir"]] if "--assistant" in args else []),
+              *dict.fromkeys(blocks[n] for n in [*_timed(cfg, blocks), *(spec.get("trees") or [])])]
+    stage_once("choose K", "experiments.pipeline.choose_k", args, log, out, models)  # a resumed job keeps its K
     chosen = json.loads(out.read_text())
     overrides = {b: [f"drafter.num_draft_tokens={int(chosen[b]['chosen_k'])}"] for b in wanted if b in chosen}
     for name, c in chosen.get("block_width", {}).items():
@@ -291,7 +299,7 @@ def _serve_check(cfg: DictConfig, run_dir: Path, served: str | None, blocks: dic
     served_width = [f"num_speculative_tokens={int(width['chosen_k'])}"] if width else []
     stage_once(name, "experiments.serve_check", [f"target={cfg.eval_target}", f"drafter.path={blocks[served]}",
                                                  *cfg.common_overrides, *served_width, *cfg.serve_check.overrides,
-                                                 f"hydra.run.dir={out}"], log, out / "serve_check.json")
+                                                 f"hydra.run.dir={out}"], log, out / "serve_check.json", [blocks[served]])
 
 
 def _reports(cfg: DictConfig, run_dir: Path, drafters: dict, timed: list[str], log: dict) -> Path:

@@ -38,7 +38,7 @@ from drafters.training.datamodule import read_meta
 from experiments.data.target import load_target
 from experiments.pipeline import run_settings
 from experiments.pipeline.paths import cache_path, portable_path
-from experiments.pipeline.trainer import build_trainer, compute_dtype, train_seconds
+from experiments.pipeline.trainer import arithmetic, build_trainer, train_seconds
 
 # ----------------------------------------------------------------------------- model
 
@@ -301,8 +301,8 @@ def _train_assistant(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -
     # checked before anything changes: a damaged file is named (drafters.storage.DamagedFileError)
     first_step = int(storage.read_checkpoint(last, ("global_step",))["global_step"]) if last.is_file() else None
     if first_step is not None:
-        run_settings.check(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))  # the same model, data and optimiser
-    run_settings.write(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))
+        run_settings.check(run_dir, cfg, RESUME_KEYS, arithmetic(cfg))  # the same model, data and optimiser
+    run_settings.write(run_dir, cfg, RESUME_KEYS, arithmetic(cfg), resumed=first_step is not None)
     logger = hydra.utils.instantiate(cfg.logger)
     if first_step is not None:
         _keep_earlier_csv(logger, first_step)

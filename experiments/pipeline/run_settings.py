@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from drafters import storage
 
 FINGERPRINT = "run_settings.json"
+RESUME_AS = {"bfloat16": "bf16-mixed", "float16": "16-mixed", "float32": "32", "float64": "64"}  # the recorded arithmetic's setting
 # Free under any resume key: the budget, where the recorded answers lie (data.backend.path: a re-clone or worktree;
 # the run reads data.data_dir, named by the data settings), and what does not change the optimisation.
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
@@ -54,10 +55,14 @@ def choices() -> dict:
     return {k: v for k, v in HydraConfig.get().runtime.choices.items() if k in ("target", "drafter", "loss", "data")}
 
 
-def write(run_dir: Path, cfg: DictConfig, keys: tuple[str, ...], precision: str | None = None) -> None:
-    """Record ``cfg``'s settings under ``keys`` (and the arithmetic it trains in, where it has a choice)."""
+def write(run_dir: Path, cfg: DictConfig, keys: tuple[str, ...], precision: str | None, resumed: bool) -> None:
+    """Record ``cfg``'s settings under ``keys`` and the arithmetic it trains in (``precision``: not where a resumed
+    run's record has none, as from before the key: what it trained in before is not known)."""
+    path = run_dir / FINGERPRINT
+    if resumed and path.is_file() and "precision" not in storage.read_json(path, "run settings"):
+        precision = None
     record = {"choices": choices(), "settings": run_fingerprint(cfg, keys)}
-    storage.write_json_atomic(run_dir / FINGERPRINT, record | ({"precision": precision} if precision else {}))
+    storage.write_json_atomic(path, record | ({"precision": precision} if precision else {}))
 
 
 def check(run_dir: Path, cfg: DictConfig, keys: tuple[str, ...], precision: str | None = None) -> None:
@@ -77,7 +82,7 @@ def check(run_dir: Path, cfg: DictConfig, keys: tuple[str, ...], precision: str 
     if was is not None and precision is not None and was != precision:
         raise ValueError(f"{run_dir} trained in {was} and would resume in {precision} (trainer.precision="
                          f"{cfg.trainer.get('precision')} on this CPU; a drafter would read the other feature cache): resume it with "
-                         f"trainer.precision={'bf16-mixed' if was == 'bfloat16' else '32'}, or choose another name=")
+                         f"trainer.precision={RESUME_AS.get(was, '32')}, or choose another name=")
     if diffs:
         raise ValueError(f"{run_dir} was trained with other settings; a resumed run keeps the settings it trained "
                          f"with (only the budget, train.max_steps, may change)"

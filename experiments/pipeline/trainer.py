@@ -80,10 +80,18 @@ def trainer_precision(cfg: DictConfig) -> str | int:
     return resolve_precision(cfg.trainer.get("precision", FLOAT32), cfg.trainer.get("accelerator", "cpu"))
 
 
+def arithmetic(cfg: DictConfig) -> str:
+    """The arithmetic ``cfg`` trains in (:func:`trainer_precision`): ``"bfloat16"``, ``"float16"``, ``"float64"``
+    or ``"float32"``; what a run resumes in (:mod:`experiments.pipeline.run_settings`)."""
+    resolved = str(trainer_precision(cfg))
+    return next((name for prefix, name in (("bf16", "bfloat16"), ("16", "float16"), ("64", "float64"))
+                 if resolved.startswith(prefix)), "float32")
+
+
 def compute_dtype(cfg: DictConfig) -> str:
-    """The arithmetic ``cfg`` trains in: ``"bfloat16"`` under bfloat16 autocast (:func:`trainer_precision`), else
-    ``"float32"``; the drafters' target feature pass runs in it too."""
-    return "bfloat16" if str(trainer_precision(cfg)).startswith("bf16") else "float32"
+    """The precision of the drafters' target feature pass: ``"bfloat16"`` under bfloat16 autocast, else
+    ``"float32"``."""
+    return "bfloat16" if arithmetic(cfg) == "bfloat16" else "float32"
 
 
 def precision_record(cfg: DictConfig) -> dict:

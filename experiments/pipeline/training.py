@@ -53,6 +53,7 @@ from experiments.pipeline.evaluation import evaluate_training_run
 from experiments.pipeline.regeneration import ensure_data
 from experiments.pipeline.run_folder import commit_hydra_records, commit_job_log, discard_hydra_records
 from experiments.pipeline.trainer import (
+    arithmetic,
     build_trainer,
     compute_dtype,
     keep_csv_history,
@@ -202,7 +203,7 @@ def _resume_step(cfg: DictConfig, run_dir: Path) -> int | None:
         raise FileExistsError(f"{last} exists and resume=false: choose another name= or delete {run_dir}")
     if not last.exists():
         return None
-    run_settings.check(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))
+    run_settings.check(run_dir, cfg, RESUME_KEYS, arithmetic(cfg))
     return int(storage.read_checkpoint(last)["global_step"])
 
 
@@ -269,7 +270,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     commit_job_log(run_dir)  # checked and built: this job's log and records join the run's
     if _rank_zero():
         commit_hydra_records(run_dir)
-        run_settings.write(run_dir, cfg, RESUME_KEYS, compute_dtype(cfg))
+        run_settings.write(run_dir, cfg, RESUME_KEYS, arithmetic(cfg), resumed=saved is not None)
     trainer, seconds = _fit(cfg, run_dir, module, datamodule, saved)
     if not trainer.is_global_zero:
         return {}
