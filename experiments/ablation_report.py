@@ -36,6 +36,7 @@ from pathlib import Path
 
 from experiments.reporting.budget_curve import budget_points, write_budget
 from experiments.reporting.paper import beside_lines
+from experiments.reporting.plots import plot_beside
 from experiments.reporting.precision import write_quality
 from experiments.reporting.runs import Run, find_results, load_runs, order_runs
 from experiments.reporting.sweep_curve import sweep_points, write_sweep_curve
@@ -159,7 +160,8 @@ def write_beside(out: Path, written: Sequence[str], short: Path | None) -> None:
             "snapshots."), ""]
     for key in ("t0", "t1"):
         text += beside_lines(columns, ORDER, key)
-    (out / "ablation_long" / "beside.md").write_text("\n".join(text))
+    plot_beside(columns, ORDER, out / "ablation_long" / "beside.png")
+    (out / "ablation_long" / "beside.md").write_text("\n".join([*text, "![beside](beside.png)", ""]))
 
 
 def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:

@@ -650,3 +650,4 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     cell = f"{100 * decay['gain']:+.1f}% [{100 * decay['ci_low']:+.1f}, {100 * decay['ci_high']:+.1f}] (2 seeds)"
     assert f"| decay | {cell} | {cell} | {cell} | +8.7% |" in beside  # 700 steps, long, 5K (no tree report here)
     assert "| focal |" not in beside and "(T=1, mean over suites)" in beside
+    assert "![beside](beside.png)" in beside and (tmp_path / "again" / "ablation_long" / "beside.png").stat().st_size

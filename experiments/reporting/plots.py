@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.reporting.paper import PAPER_TAU, gain_of
 from experiments.reporting.runs import CURVE_METRIC
 
 
@@ -152,7 +153,7 @@ def plot_gain(report: dict, path: Path, seeds: bool = False) -> Path:
     axes[-1, 0].set_xlabel("suite")
     what = "mean of per-seed gains (error bars: seed range, dots: seeds)" if seeds else \
         "error bars: paired-bootstrap 95% CI over prompts"
-    fig.suptitle(f"τ / τ({base}) − 1 per suite; {what}")
+    fig.suptitle(f"τ / τ({base}) − 1 per suite\n{what}")
     return _save(plt, fig, axes, names, path)
 
 
@@ -359,3 +360,41 @@ def plot_reach(doc: dict, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_beside(columns: dict[str, tuple[dict, str]], configs: Sequence[str], path: Path) -> Path:
+    """Grouped bars of each of ``configs``' gain over uniform on the suites' mean in several reports (``columns``, as
+    :func:`experiments.reporting.paper.beside_lines` takes them: the budgets side by side) and the paper's (hatched);
+    error bars: each cell's 95% interval; a panel per temperature."""
+    plt = _pyplot()
+    shown = [c for c in configs if any(gain_of(r, c + s) for r, s in columns.values())]
+    bars = [*columns, "paper"]
+    colors = _colors(bars)
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.6 * len(shown) * len(bars) / 4), 7.0), squeeze=False,
+                             layout="constrained")
+    width = 0.8 / len(bars)
+    for ax, key in zip(axes[:, 0], ("t0", "t1")):
+        for j, heading in enumerate(bars):
+            xs, ys, err = [], [], [[], []]
+            for i, config in enumerate(shown):
+                if heading == "paper":
+                    cell = {"gain": PAPER_TAU[config] / PAPER_TAU["uniform"] - 1} if config in PAPER_TAU else None
+                else:
+                    report, suffix = columns[heading]
+                    cell = gain_of(report, config + suffix, key)
+                if cell is None:
+                    continue
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(100 * cell["gain"])
+                for side, bound in ((0, cell.get("ci_low")), (1, cell.get("ci_high"))):
+                    err[side].append(100 * abs(cell["gain"] - bound) if bound is not None else 0.0)
+            ax.bar(xs, ys, width, yerr=err, capsize=2, color=colors[heading], label=heading, edgecolor="black",
+                   linewidth=0.5, hatch="//" if heading == "paper" else None)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shown)), shown)
+        ax.set_ylabel("gain over uniform (%)")
+        ax.set_title(f"T = {key[1:]}, mean over suites" + (" (the paper's: no temperature stated)" * (key == "t1")))
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    fig.suptitle("Each loss's gain over uniform across training budgets, beside the paper's")
+    return _save(plt, fig, axes, bars, path)
