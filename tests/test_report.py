@@ -651,3 +651,26 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     assert f"| decay | {cell} | {cell} | {cell} | +8.7% |" in beside  # 700 steps, long, 5K (no tree report here)
     assert "| focal |" not in beside and "(T=1, mean over suites)" in beside
     assert "![beside](beside.png)" in beside and (tmp_path / "again" / "ablation_long" / "beside.png").stat().st_size
+
+
+def test_slots_past_what_a_step_drafts_have_no_acceptance_rate():
+    """a_k past a chain's W, a tree's deepest path (N) or a hybrid's lookup depth is left out (None), not read as
+    every step that got there rejecting; a record that does not say keeps every slot of its K."""
+    from experiments.reporting.runs import Run
+    from experiments.reporting.stats import build_report
+
+    def run(name, drafter):
+        doc = _docs()[1] | {"drafter": {"path": "/nowhere/drafter"} | drafter}
+        for entries in doc["results"].values():
+            for entry in entries.values():
+                entry["position_acceptance"] = [0.5, 0.4, 0.0]
+        return Run(name, Path(f"/nowhere/{name}/results.json"), doc)
+
+    runs = [run("chain", {"config": {"max_draft_tokens": 2}}), run("all_k", {"config": {}}),
+            run("tree", {"config": {"tree_policy": {"budget": 1, "chain_width": None, "lookup_depth": 5}}}),
+            run("hybrid", {"config": {"tree_policy": {"budget": 1, "chain_width": None, "lookup_depth": 2},
+                                      "lookup": True}})]
+    assert [r.drafted_width() for r in runs] == [2, None, 1, 2]
+    curves = build_report(runs, baseline=None, num_bootstrap=10)["curves"]["t0"]["code"]
+    assert {name: c["position_acceptance"] for name, c in curves.items()} == {
+        "chain": [0.5, 0.4, None], "all_k": [0.5, 0.4, 0.0], "tree": [0.5, None, None], "hybrid": [0.5, 0.4, None]}

@@ -64,6 +64,18 @@ class Run:
     def results(self) -> dict:
         return self.doc.get("results", {})
 
+    def drafted_width(self) -> int | None:
+        """The most slots one step drafts: a chain's W (``max_draft_tokens``), a tree's deepest path (its chain
+        width or N nodes), or a hybrid's lookup depth where deeper; None where the record does not say (every slot
+        of its K counts)."""
+        drafter = self.doc.get("drafter") or {}
+        config = drafter.get("config") or {}
+        tree = config.get("tree_policy")
+        if tree is None:
+            return config.get("max_draft_tokens")
+        own = (tree.get("chain_width") or tree.get("budget") or 0) if drafter.get("path") else 0
+        return max(own, (tree.get("lookup_depth") or 0) if config.get("lookup") else 0) or None
+
     def training_dirs(self) -> list[Path]:
         """Directories that may hold this configuration's training logs (nearest first)."""
         dirs = [self.path.parent]

@@ -212,8 +212,10 @@ def _tau_cells(runs: Sequence[Run], key: str, suite: str, common: list[str], cur
         elif key in run.results.get(suite, {}):
             entry = run.results[suite][key]
             cells[run.name] = _entry_cell(entry)
-            curves.setdefault(suite, {})[run.name] = {
-                "position_acceptance": entry.get("position_acceptance"),
+            width, rates = run.drafted_width(), entry.get("position_acceptance")
+            curves.setdefault(suite, {})[run.name] = {  # a_k past the slots a step drafts: none (not a rejection)
+                "position_acceptance": rates if width is None or rates is None else
+                [a if k < width else None for k, a in enumerate(rates)],
                 "accept_hist": entry.get("accept_hist"),
             }
     return cells
