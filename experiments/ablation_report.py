@@ -143,8 +143,8 @@ def _paired_seeds(trained: Sequence[Path], sub: str) -> list[Path]:
 
 
 # the columns of beside.md: report folder -> (heading, the suffix of its rows' names)
-BESIDE = {"ablation_long": ("long, chain", ""), "ablation_long_tree": ("long, tree", "_tree"),
-          "ablation_long_5k": ("5K steps, chain", ""), "ablation_long_tree_5k": ("5K steps, tree", "_tree")}
+BESIDE = {"ablation_long_5k": ("5K steps, chain", ""), "ablation_long": ("10K steps, chain", ""),
+          "ablation_long_tree_5k": ("5K steps, tree", "_tree"), "ablation_long_tree": ("10K steps, tree", "_tree")}
 
 
 def write_beside(out: Path, written: Sequence[str], short: Path | None) -> None:
@@ -156,7 +156,7 @@ def write_beside(out: Path, written: Sequence[str], short: Path | None) -> None:
                 for name, (heading, suffix) in BESIDE.items() if name in written}
     text = ["# The long-budget ablation beside the 700-step one and the paper", "",
             ("Each cell: the gain over uniform on the suites' mean, with its 95% interval (over several seeds: the mean "
-            "of each seed's gain). Long: the queue's ablation_long runs at their full budget; 5K: their 5K-step "
+            "of each seed's gain). 10K: the queue's ablation_long runs at their full budget; 5K: their 5K-step "
             "snapshots."), ""]
     for key in ("t0", "t1"):
         text += beside_lines(columns, ORDER, key)
