@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from drafters import storage
 
 FINGERPRINT = "run_settings.json"
-RESUME_AS = {"bfloat16": "bf16-mixed", "float16": "16-mixed", "float32": "32", "float64": "64"}  # the recorded arithmetic's setting
+# the trainer.precision that resumes a run in the arithmetic it recorded
+RESUME_AS = {"bfloat16": "bf16-mixed", "float16": "16-mixed", "float32": "32", "float64": "64"}
 # Free under any resume key: the budget, where the recorded answers lie (data.backend.path: a re-clone or worktree;
 # the run reads data.data_dir, named by the data settings), and what does not change the optimisation.
 RESUME_FREE = ("train.max_steps", "scheduler.max_steps", "target.recipe", "data.regenerate_if_missing",
@@ -81,8 +82,8 @@ def check(run_dir: Path, cfg: DictConfig, keys: tuple[str, ...], precision: str 
     was = saved.get("precision")
     if was is not None and precision is not None and was != precision:
         raise ValueError(f"{run_dir} trained in {was} and would resume in {precision} (trainer.precision="
-                         f"{cfg.trainer.get('precision')} on this CPU; a drafter would read the other feature cache): resume it with "
-                         f"trainer.precision={RESUME_AS.get(was, '32')}, or choose another name=")
+                         f"{cfg.trainer.get('precision')} on this CPU; a drafter would read the other feature cache): "
+                         f"resume it with trainer.precision={RESUME_AS.get(was, '32')}, or choose another name=")
     if diffs:
         raise ValueError(f"{run_dir} was trained with other settings; a resumed run keeps the settings it trained "
                          f"with (only the budget, train.max_steps, may change)"
