@@ -546,26 +546,59 @@ def test_one_command_rewrites_every_ablation_report_from_the_runs_that_exist(tmp
         ablation_report.main(["--runs", str(tmp_path / "empty"), "--out", str(out)])
 
 
-def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms():
-    """decay_focal and l2r_all against the sum of their single terms' gains, over seeds or from one run, beside the
-    paper's; a composite whose terms were not all run has no row."""
-    from experiments.reporting.paper import PAPER_TAU, composition_lines
+def _seeded_run(config, seed, rate, suites=("code", "chat"), prompts=16):
+    """A run whose prompts keep ``rate`` new tokens a step on average, drawn per prompt (seeded by config and seed)."""
+    rng = np.random.default_rng([seed, len(config), int(1000 * rate)])
+    results = {}
+    for suite in suites:
+        steps = rng.integers(10, 30, prompts)
+        new = np.maximum(steps, np.round(steps * rate * rng.uniform(0.8, 1.2, prompts))).astype(int)
+        results[suite] = {"t0": {"tau": float(new.sum() / steps.sum()), "num_prompts": prompts, "prompts": [
+            {"id": f"{suite}/{i}", "new_tokens": int(n), "steps": int(st)} for i, (n, st) in enumerate(zip(new, steps))]}}
+    return rp.Run(f"{config}-s{seed}", Path(f"/nowhere/{config}-s{seed}/results.json"), {"results": results},
+                  config=config, seed=seed)
 
-    gains = {"decay": 0.09, "focal": 0.06, "chain": 0.08, "decay_focal": 0.11, "l2r_all": 0.13}
-    seeded = {"configurations": [], "table": {},
-              "across_seeds": {"t0": {rp.MEAN: {c: {"gain_mean": g} for c, g in gains.items()}}}}
-    lines = composition_lines(seeded, "t0")
-    paper = {c: PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in gains}
-    want = (f"| l2r_all = decay + focal + chain | +13.0% | +23.0% | {0.13 / 0.23:.2f} | "
-            f"{100 * paper['l2r_all']:+.1f}% | {100 * (paper['decay'] + paper['focal'] + paper['chain']):+.1f}% | "
-            f"{paper['l2r_all'] / (paper['decay'] + paper['focal'] + paper['chain']):.2f} |")
-    assert want in lines and f"| decay_focal = decay + focal | +11.0% | +15.0% | {0.11 / 0.15:.2f} |" in lines[-3]
-    single = {"configurations": [{"name": c, "config": c} for c in ("decay", "focal", "decay_focal")],
-              "table": {"t0": {rp.MEAN: {c: {"gain": gains[c]} for c in ("decay", "focal", "decay_focal")}}}}
-    rows = [line for line in composition_lines(single, "t0") if line.startswith("| decay_focal")]
-    assert len(rows) == 1 and "+11.0% | +15.0%" in rows[0]
-    assert not any(line.startswith("| l2r_all") for line in composition_lines(single, "t0"))
+
+def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms_with_an_interval():
+    """build_report(composites=...): per temperature each composite's gain (the mean of its seeds' paired gains)
+    beside the sum of its terms' gains, their ratio and its interval from one bootstrap for every run; a composite
+    whose terms were not all run has none; the markdown puts the paper's ratio beside."""
+    from experiments.reporting.paper import COMPOSITES, PAPER_TAU, composition_lines
+
+    rates = {"uniform": 1.4, "decay": 1.5, "focal": 1.47, "chain": 1.49, "l2r_all": 1.52}
+    runs = [_seeded_run(c, s, r) for c, r in rates.items() for s in (0, 1)]
+    report = rp.build_report(runs, num_bootstrap=400, composites=COMPOSITES)
+    cell = report["composition"]["t0"]["l2r_all"]
+    gain = {c: np.mean(report["across_seeds"]["t0"][rp.MEAN][c]["gains"]) for c in rates if c != "uniform"}
+    assert cell["gain"] == pytest.approx(gain["l2r_all"]) and cell["seeds"]["chain"] == 2
+    assert cell["sum"] == pytest.approx(gain["decay"] + gain["focal"] + gain["chain"])
+    assert cell["ratio"] == pytest.approx(cell["gain"] / cell["sum"])
+    assert cell["ratio_ci_low"] < cell["ratio"] < cell["ratio_ci_high"]
+    assert "decay_focal" not in report["composition"]["t0"]  # its run is missing
+    paper = [PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in ("l2r_all", "decay", "focal", "chain")]
+    row = (f"| l2r_all = decay + focal + chain | 2 | {100 * cell['gain']:+.1f}% | {100 * cell['sum']:+.1f}% | "
+           f"{cell['ratio']:.2f} [{cell['ratio_ci_low']:.2f}, {cell['ratio_ci_high']:.2f}] | {100 * paper[0]:+.1f}% | "
+           f"{100 * sum(paper[1:]):+.1f}% | {paper[0] / sum(paper[1:]):.2f} |")
+    assert row in composition_lines(report, "t0")
+    assert "composition" not in rp.build_report(runs, num_bootstrap=50)
     assert composition_lines({"configurations": [], "table": {}}, "t0") == []
+
+
+def test_composition_resamples_every_run_with_the_same_prompts():
+    """A composite whose runs are copies of its one term's has the ratio 1 in every resample (the prompts drawn
+    once for all runs), so its interval is [1, 1]; terms that lose make the ratio undefined, shown as —."""
+    from experiments.reporting.paper import composition_lines
+
+    runs = [_seeded_run(c, s, r) for c, r in {"uniform": 1.4, "decay": 1.55}.items() for s in (0, 1)]
+    twins = [rp.Run(r.name.replace("decay", "twin"), r.path, r.doc, config="twin", seed=r.seed)
+             for r in runs if r.config == "decay"]
+    cell = rp.build_report(runs + twins, num_bootstrap=300, composites={"twin": ("decay",)})["composition"]["t0"]["twin"]
+    assert cell["ratio"] == pytest.approx(1.0)
+    assert (cell["ratio_ci_low"], cell["ratio_ci_high"]) == (pytest.approx(1.0), pytest.approx(1.0))
+    worse = [_seeded_run(c, s, r) for c, r in {"uniform": 1.5, "decay": 1.3, "chain": 1.6}.items() for s in (0,)]
+    report = rp.build_report(worse, num_bootstrap=50, composites={"chain": ("decay",)})
+    assert report["composition"]["t0"]["chain"]["ratio"] is None
+    assert any(line.startswith("| chain = decay | 1 |") and "| — |" in line for line in composition_lines(report, "t0"))
 
 
 def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_path):

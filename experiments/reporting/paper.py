@@ -78,30 +78,31 @@ def gain_of(report: dict, config: str, key: str = "t0", suite: str = MEAN) -> di
     return {"gain": cell["gain"], "ci_low": cell.get("gain_ci_low"), "ci_high": cell.get("gain_ci_high"), "seeds": 1}
 
 
-def _gain(report: dict, config: str, key: str) -> float | None:
-    """This report's gain of ``config`` over the baseline on the suites' mean (the mean over seeds when seeded)."""
-    return (gain_of(report, config, key) or {}).get("gain")
-
-
 def composition_lines(report: dict, key: str = "t0") -> list[str]:
-    """Markdown: each composite's gain beside the sum of its terms' gains alone, here and in the paper (a ratio near 1:
-    the terms add; below: they overlap)."""
+    """Markdown: each composite's gain beside the sum of its terms' gains alone (``report["composition"]``, from
+    ``build_report(..., composites=COMPOSITES)``), here with the ratio's 95% interval and in the paper (a ratio near
+    1: the terms add; below: they overlap)."""
     rows = []
-    for composite, parts in COMPOSITES.items():
-        gains = [_gain(report, c, key) for c in (composite, *parts)]
-        if any(g is None for g in gains):
-            continue
-        paper = [PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in (composite, *parts)]
-        cells = []
-        for whole, *alone in (gains, paper):
-            cells += [f"{100 * whole:+.1f}%", f"{100 * sum(alone):+.1f}%", f"{whole / sum(alone):.2f}"]
-        rows.append(f"| {composite} = {' + '.join(parts)} | " + " | ".join(cells) + " |")
+    for composite, cell in (report.get("composition") or {}).get(key, {}).items():
+        parts = list(cell["terms"])
+        ratio = "—" if cell["ratio"] is None else f"{cell['ratio']:.2f}"
+        if cell["ratio_ci_low"] is not None:
+            ratio += f" [{cell['ratio_ci_low']:.2f}, {cell['ratio_ci_high']:.2f}]"
+        paper = "— | — | —"
+        if all(c in PAPER_TAU for c in (composite, *parts)):
+            whole, *alone = (PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in (composite, *parts))
+            paper = f"{100 * whole:+.1f}% | {100 * sum(alone):+.1f}% | {whole / sum(alone):.2f}"
+        seeds = "/".join(map(str, sorted(set(cell["seeds"].values()))))
+        rows.append(f"| {composite} = {' + '.join(parts)} | {seeds} | {100 * cell['gain']:+.1f}% | "
+                    f"{100 * cell['sum']:+.1f}% | {ratio} | {paper} |")
     if not rows:
         return []
     return [f"## Do the terms compose? (T={key[1:]}, mean over suites)", "",
-            "Each composite's gain over uniform beside the sum of its terms' gains alone; the ratio is 1 where they add.",
-            "", "| composite | gain here | sum of terms here | ratio | paper gain | paper sum | paper ratio |",
-            "|---|---|---|---|---|---|---|", *rows, ""]
+            ("Each composite's gain over uniform beside the sum of its terms' gains alone (each the mean over its "
+             "seeds' paired gains); the ratio is 1 where they add, with its 95% interval from one bootstrap over the "
+             "prompts for every run."), "",
+            "| composite | seeds | gain here | sum of terms here | ratio [95%] | paper gain | paper sum | paper ratio |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def _gain_words(cell: dict | None) -> str:

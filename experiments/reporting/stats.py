@@ -3,6 +3,7 @@ over the baseline with paired intervals, the unweighted mean over suites, and ag
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -92,7 +93,7 @@ def _overlap(a: dict, b: dict) -> bool | None:
 
 
 def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_bootstrap: int = 1000,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, composites: dict[str, Sequence[str]] | None = None) -> dict:
     """All numbers of the report (the content of report.json).
 
     ``table[t_key][suite][config]`` holds ``tau, ci_low, ci_high, num_prompts`` (plus speeds for real
@@ -100,7 +101,8 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
     ``gain_ci_low/high`` (paired bootstrap, None without per-prompt records), ``paired_prompts`` and
     ``ci_overlap`` (whether the τ intervals of the configuration and the baseline overlap). The
     ``mean`` pseudo-suite averages the suites every configuration evaluated at that temperature (a configuration
-    not evaluated at a temperature at all, e.g. a baseline at T=0 only, has no cells there).
+    not evaluated at a temperature at all, e.g. a baseline at T=0 only, has no cells there). ``composites``
+    (name -> its single terms' configurations) adds ``composition`` (:func:`_composition`).
     """
     if not runs:
         raise ValueError("no runs to report")
@@ -135,6 +137,8 @@ def build_report(runs: Sequence[Run], baseline: str | None = "uniform", num_boot
     report["across_seeds"] = aggregate_seeds(report)
     if report["across_seeds"]:
         _add_seed_gain_intervals(report["across_seeds"], runs, base_of, common_suites, num_bootstrap, seed)
+    if composites:
+        report["composition"] = _composition(runs, table, base_of, common_suites, composites, num_bootstrap, seed)
     return report
 
 
@@ -160,8 +164,18 @@ def _seed_mean_gain(pairs: list[tuple[Run, Run]], group: list[str], key: str, nu
                     rng: np.random.Generator) -> tuple[float, float] | None:
     """Interval of mean_pairs(τ_run / τ_base − 1), τ the unweighted mean over ``group``'s suites; None without
     per-prompt records or two prompts every run shares."""
+    draws = _gain_draws([pairs], group, key, num_bootstrap, rng)
+    return None if draws is None else _interval(draws[0])
+
+
+def _gain_draws(groups: list[list[tuple[Run, Run]]], suites: list[str], key: str, num_bootstrap: int,
+                rng: np.random.Generator) -> np.ndarray | None:
+    """Bootstrap draws of each group's mean over its (run, base) pairs of τ_run / τ_base − 1, τ the unweighted mean
+    over ``suites``, every run resampled with the same prompts (those all of them share, per suite):
+    (groups, num_bootstrap); None without per-prompt records or two prompts every run shares."""
+    pairs = [pair for group in groups for pair in group]
     draws = np.zeros((2, len(pairs), num_bootstrap))  # (run or base, pair, resample): τ summed over suites
-    for suite in group:
+    for suite in suites:
         records = [[_records(r.results.get(suite, {}).get(key, {})) for r in pair] for pair in pairs]
         if any(rec is None for pair in records for rec in pair):
             return None
@@ -172,7 +186,36 @@ def _seed_mean_gain(pairs: list[tuple[Run, Run]], group: list[str], key: str, nu
         for i, pair in enumerate(records):
             for side, rec in enumerate(pair):
                 draws[side, i] += _tau_draws(rec, ids, picks)
-    return _interval(np.mean(draws[0] / draws[1] - 1.0, axis=0))
+    gains = draws[0] / draws[1] - 1.0  # (pair, resample)
+    bounds = np.cumsum([0] + [len(group) for group in groups])
+    return np.stack([gains[a:b].mean(axis=0) for a, b in itertools.pairwise(bounds)])
+
+
+def _composition(runs: Sequence[Run], table: dict, base_of: dict[str, str], common: dict[str, list[str]],
+                 composites: dict[str, Sequence[str]], num_bootstrap: int, seed: int) -> dict:
+    """``{t_key: {composite: cell}}``: each composite's gain over the baseline on the suites' mean beside the sum of
+    its single terms' gains, each the mean over its seeds' paired gains, and ``ratio`` = gain / sum with the 95%
+    interval of one bootstrap over the prompts for every run (``ratio_ci_low/high``; None without per-prompt
+    records). A composite is left out where it or one of its terms has no run with a gain at that temperature."""
+    by_name, out = {r.name: r for r in runs}, {}
+    for key, suites in common.items():
+        cells = table[key].get(MEAN if len(suites) > 1 else suites[0], {}) if suites else {}
+        for composite, parts in composites.items():
+            groups = [[(r, by_name[base_of[r.name]]) for r in runs
+                       if r.config == c and r.name in base_of and "gain" in cells.get(r.name, {})]
+                      for c in (composite, *parts)]
+            if not all(groups):
+                continue
+            gains = [float(np.mean([cells[r.name]["gain"] for r, _ in group])) for group in groups]
+            total = sum(gains[1:])
+            cell = {"gain": gains[0], "terms": dict(zip(parts, gains[1:])), "sum": total,
+                    "ratio": gains[0] / total if total > 0 else None, "ratio_ci_low": None, "ratio_ci_high": None,
+                    "seeds": {c: len(group) for c, group in zip((composite, *parts), groups)}}
+            draws = _gain_draws(groups, suites, key, num_bootstrap, _rng(seed, key, composite, "composition"))
+            if draws is not None and total > 0:
+                cell["ratio_ci_low"], cell["ratio_ci_high"] = _interval(draws[0] / draws[1:].sum(axis=0))
+            out.setdefault(key, {})[composite] = cell
+    return out
 
 
 def _draft_sources(runs: Sequence[Run], t_keys: Sequence[str]) -> dict[str, dict[str, dict[str, dict]]]:

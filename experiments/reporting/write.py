@@ -9,7 +9,7 @@ from pathlib import Path
 
 from drafters.training.datamodule import META
 from experiments.pipeline.paths import REPO, cache_path, inside, portable_path
-from experiments.reporting.paper import PAPER_TAU, composition_lines, paper_lines
+from experiments.reporting.paper import COMPOSITES, PAPER_TAU, composition_lines, paper_lines
 from experiments.reporting.plots import (
     plot_accept_hist,
     plot_gain,
@@ -72,7 +72,8 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     evaluations' own speeds are left out (:func:`.tables.render_markdown`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed)
+    report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed,
+                          composites=COMPOSITES if paper else None)
     base = make_paths_portable(report)
     report["runs_folder"] = base.name if base is not None else None
     if report["across_seeds"]:  # plots show configurations (seed means), not every run
