@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.reporting.budget_curve import budget_points, write_budget
-from experiments.reporting.paper import beside_lines
+from experiments.reporting.paper import beside_composition_lines, beside_lines, composites
 from experiments.reporting.plots import plot_beside
 from experiments.reporting.precision import write_quality
 from experiments.reporting.runs import Run, find_results, load_runs, order_runs
@@ -79,14 +79,15 @@ def sweep_paths(runs: Path, name: str) -> list[Path]:
 
 
 def _report(paths: Sequence[Path], out: Path, order: Sequence[str], paper: bool = False,
-            baseline: str = "uniform", untimed: str | None = None) -> tuple[list[Run], dict | None]:
-    """Write the report of ``paths`` into ``out``; returns its runs and report.json's content (None, the part skipped
-    and named, while no run of ``baseline`` is evaluated)."""
+            baseline: str = "uniform", untimed: str | None = None,
+            composites: dict[str, Sequence[str]] | None = None) -> tuple[list[Run], dict | None]:
+    """Write the report of ``paths`` into ``out`` (``composites``: see :func:`write_report`); returns its runs and
+    report.json's content (None, the part skipped and named, while no run of ``baseline`` is evaluated)."""
     runs = order_runs(load_runs(paths), order, baseline)
     if baseline not in {r.config for r in runs} | {r.name for r in runs}:
         print(f"[ablation_report] {out.name}: no evaluated {baseline} run yet, skipped", flush=True)
         return runs, None
-    report = write_report(runs, out, baseline=baseline, paper=paper, untimed=untimed)
+    report = write_report(runs, out, baseline=baseline, paper=paper, untimed=untimed, composites=composites)
     print(f"[ablation_report] {len(paths)} evaluations -> {out / 'report.md'}", flush=True)
     return runs, report
 
@@ -159,7 +160,7 @@ def write_beside(out: Path, written: Sequence[str], short: Path | None) -> None:
             "of each seed's gain). 10K: the queue's ablation_long runs at their full budget; 5K: their 5K-step "
             "snapshots."), ""]
     for key in ("t0", "t1"):
-        text += beside_lines(columns, ORDER, key)
+        text += beside_lines(columns, ORDER, key) + beside_composition_lines(columns, key)
     plot_beside(columns, ORDER, out / "ablation_long" / "beside.png")
     (out / "ablation_long" / "beside.md").write_text("\n".join([*text, "![beside](beside.png)", ""]))
 
@@ -174,8 +175,9 @@ def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:
         if len(paths) < 2:
             print(f"[ablation_report] {name}: fewer than two evaluated runs yet, skipped", flush=True)
             continue
-        order = [f"{loss}_tree" if baseline.endswith("_tree") else loss for loss in ORDER]
-        if _report(paths, out / name, order, paper=sub == "eval", baseline=baseline, untimed=QUEUE_TIMES)[1] is not None:
+        suffix = baseline.removeprefix("uniform")  # the rows' suffix: "_tree" in a tree report
+        if _report(paths, out / name, [loss + suffix for loss in ORDER], paper=sub == "eval", baseline=baseline,
+                   untimed=QUEUE_TIMES, composites=composites(suffix))[1] is not None:
             written.append(name)
     if "ablation_long" in written:
         write_beside(out, written, short)

@@ -4,6 +4,7 @@ training curves, --names / --baseline, errors, and offline W&B logging."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -601,6 +602,58 @@ def test_composition_resamples_every_run_with_the_same_prompts():
     assert any(line.startswith("| chain = decay | 1 |") and "| — |" in line for line in composition_lines(report, "t0"))
 
 
+def _long_evaluation(folder, run, sub, name, loss, seed, doc, drafter=None):
+    """``<folder>/<run>/<sub>/results.json``: ``doc`` as the queue's evaluation of the drafter ``name``."""
+    d = folder / run / sub
+    d.mkdir(parents=True)
+    drafter = drafter or {"name": name, "training_run": {"loss": loss, "seed": seed}}
+    (d / "results.json").write_text(json.dumps(doc | {"drafter": drafter}))
+
+
+def _long_trained(folder, run, seed, taus=None):
+    """``<folder>/<run>`` as a finished training of ``seed`` (with held-out τ ``taus`` logged every 1000 steps)."""
+    (folder / run / ".hydra").mkdir(parents=True, exist_ok=True)
+    (folder / run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: {run}\n")
+    (folder / run / "train_summary.json").write_text(json.dumps({"name": run, "steps": 10}))
+    if taus:
+        (folder / run / "logs").mkdir()
+        (folder / run / "logs" / "metrics.csv").write_text(
+            "step,val/tau_greedy\n" + "".join(f"{1000 * (i + 1)},{t}\n" for i, t in enumerate(taus)))
+
+
+def test_the_long_reports_say_whether_the_terms_compose_as_a_chain_a_tree_and_beside_the_short_budget(tmp_path):
+    """ablation_report --long with every single term and l2r_all: each report's composition (the tree's over its
+    _tree rows, with the paper's ratio beside), and beside.md's ratio per budget: with its interval where the report
+    kept the prompts, the seed-mean ratio alone from the 700-step report.json."""
+    from experiments import ablation_report
+
+    folder = tmp_path / "runs" / "multirun" / "ablation_long"
+    rates = {"uniform": 1.4, "decay": 1.5, "focal": 1.47, "chain": 1.49, "l2r_all": 1.52}
+    for loss, rate in rates.items():
+        doc = {"results": _seeded_run(loss, 0, rate).results}
+        _long_evaluation(folder, f"{loss}-s0", "eval", loss, loss, 0, doc)
+        _long_evaluation(folder, f"{loss}-s0", "eval_tree", f"{loss}_tree", loss, 0, doc)
+        _long_trained(folder, f"{loss}-s0", 0)
+    short = rp.build_report([_seeded_run(c, s, r) for c, r in rates.items() for s in (0, 1)], num_bootstrap=50)
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    out = tmp_path / "results"
+    ablation_report.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--long", "--short",
+                          str(tmp_path / "short.json")])
+    chain = json.loads((out / "ablation_long" / "report.json").read_text())["composition"]["t0"]["l2r_all"]
+    tree = json.loads((out / "ablation_long_tree" / "report.json").read_text())["composition"]["t0"]["l2r_all_tree"]
+    assert chain["ratio"] == pytest.approx(tree["ratio"]) and tree["terms"].keys() == {"decay_tree", "focal_tree", "chain_tree"}
+    paper = "+43.9% | +46.7% | 0.94 |"
+    assert "| l2r_all_tree = decay_tree + focal_tree + chain_tree | 1 |" in (out / "ablation_long_tree" / "report.md").read_text()
+    assert paper in (out / "ablation_long_tree" / "report.md").read_text()
+    short_ratio = np.mean(short["across_seeds"]["t0"][rp.MEAN]["l2r_all"]["gains"]) / sum(
+        np.mean(short["across_seeds"]["t0"][rp.MEAN][c]["gains"]) for c in ("decay", "focal", "chain"))
+    row = next(line for line in (out / "ablation_long" / "beside.md").read_text().splitlines()
+               if line.startswith("| l2r_all / (decay + focal + chain) |"))
+    assert row.split(" | ")[1:3] == [f"{short_ratio:.2f} (2 seeds)",
+                                     f"{chain['ratio']:.2f} [{chain['ratio_ci_low']:.2f}, {chain['ratio_ci_high']:.2f}]"]
+    assert row.endswith("| 0.94 |")
+
+
 def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_path):
     """experiments.ablation_report --long: the queue's ablation_long runs, each evaluated as a chain (eval), a tree
     (eval_tree) and at its 5K snapshot (eval_5k: the record names no training run, found from the snapshot's folder),
@@ -611,21 +664,7 @@ def test_the_long_ablation_reports_chain_tree_snapshots_and_precision_apart(tmp_
     from experiments.reporting.paper import gain_of
 
     folder = tmp_path / "runs" / "multirun" / "ablation_long"
-
-    def evaluation(run, sub, name, loss, seed, doc, drafter=None):
-        d = folder / run / sub
-        d.mkdir(parents=True)
-        drafter = drafter or {"name": name, "training_run": {"loss": loss, "seed": seed}}
-        (d / "results.json").write_text(json.dumps(doc | {"drafter": drafter}))
-
-    def trained(run, seed, taus=None):
-        (folder / run / ".hydra").mkdir(parents=True, exist_ok=True)
-        (folder / run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nname: {run}\n")
-        (folder / run / "train_summary.json").write_text(json.dumps({"name": run, "steps": 10}))
-        if taus:
-            (folder / run / "logs").mkdir()
-            (folder / run / "logs" / "metrics.csv").write_text(
-                "step,val/tau_greedy\n" + "".join(f"{1000 * (i + 1)},{t}\n" for i, t in enumerate(taus)))
+    evaluation, trained = functools.partial(_long_evaluation, folder), functools.partial(_long_trained, folder)
 
     for seed in (0, 1):
         uniform, decay = _docs(seed)

@@ -9,6 +9,8 @@ over prompts and how many seeds gained; else the paired gain with its 95% interv
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from experiments.reporting.stats import MEAN
 
 #: τ per loss configuration in the paper (conf/loss/ names); D-PACE and the soft-label variants are not in it.
@@ -78,23 +80,60 @@ def gain_of(report: dict, config: str, key: str = "t0", suite: str = MEAN) -> di
     return {"gain": cell["gain"], "ci_low": cell.get("gain_ci_low"), "ci_high": cell.get("gain_ci_high"), "seeds": 1}
 
 
+def composites(suffix: str = "") -> dict[str, tuple[str, ...]]:
+    """:data:`COMPOSITES` with ``suffix`` on every name (a tree report's rows: ``l2r_all_tree``)."""
+    return {c + suffix: tuple(p + suffix for p in parts) for c, parts in COMPOSITES.items()}
+
+
+def _paper_ratio(composite: str, parts: Sequence[str]) -> tuple[float, float, float] | None:
+    """The paper's (composite gain, sum of its terms' gains, ratio), the names read without a suffix the composite
+    adds to a name of :data:`COMPOSITES` (``l2r_all_tree``); None where they are not the paper's."""
+    suffix = next((composite[len(c):] for c in COMPOSITES if composite.startswith(c)), "")
+    names = [c.removesuffix(suffix) if suffix else c for c in (composite, *parts)]
+    if not all(c in PAPER_TAU for c in names):
+        return None
+    whole, *alone = (PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in names)
+    return whole, sum(alone), whole / sum(alone)
+
+
+def composition_of(report: dict, composite: str, parts: Sequence[str], key: str = "t0") -> dict | None:
+    """``report["composition"][key][composite]`` (:func:`experiments.reporting.stats.build_report`: the ratio with its
+    interval); else, for a report written without it, the ratio of the seed-mean gains (:func:`gain_of`) without one;
+    None where the composite or a term has no gain."""
+    cell = (report.get("composition") or {}).get(key, {}).get(composite)
+    if cell is not None:
+        return cell
+    gains = [gain_of(report, c, key) for c in (composite, *parts)]
+    if any(g is None for g in gains):
+        return None
+    total = sum(g["gain"] for g in gains[1:])
+    return {"gain": gains[0]["gain"], "terms": {c: g["gain"] for c, g in zip(parts, gains[1:])}, "sum": total,
+            "ratio": gains[0]["gain"] / total if total > 0 else None, "ratio_ci_low": None, "ratio_ci_high": None,
+            "seeds": {c: g["seeds"] or 1 for c, g in zip((composite, *parts), gains)}}
+
+
+def _ratio_words(cell: dict | None, seeds: bool = False) -> str:
+    if cell is None or cell["ratio"] is None:
+        return "—"
+    words = f"{cell['ratio']:.2f}"
+    if cell["ratio_ci_low"] is not None:
+        words += f" [{cell['ratio_ci_low']:.2f}, {cell['ratio_ci_high']:.2f}]"
+    counts = sorted(set(cell["seeds"].values()))
+    return words + (f" ({'/'.join(map(str, counts))} seeds)" if seeds and max(counts) > 1 else "")
+
+
 def composition_lines(report: dict, key: str = "t0") -> list[str]:
     """Markdown: each composite's gain beside the sum of its terms' gains alone (``report["composition"]``, from
-    ``build_report(..., composites=COMPOSITES)``), here with the ratio's 95% interval and in the paper (a ratio near
-    1: the terms add; below: they overlap)."""
+    ``build_report(..., composites=...)``), here with the ratio's 95% interval, and in the paper (a ratio near 1: the
+    terms add; below: they overlap)."""
     rows = []
     for composite, cell in (report.get("composition") or {}).get(key, {}).items():
         parts = list(cell["terms"])
-        ratio = "—" if cell["ratio"] is None else f"{cell['ratio']:.2f}"
-        if cell["ratio_ci_low"] is not None:
-            ratio += f" [{cell['ratio_ci_low']:.2f}, {cell['ratio_ci_high']:.2f}]"
-        paper = "— | — | —"
-        if all(c in PAPER_TAU for c in (composite, *parts)):
-            whole, *alone = (PAPER_TAU[c] / PAPER_TAU["uniform"] - 1 for c in (composite, *parts))
-            paper = f"{100 * whole:+.1f}% | {100 * sum(alone):+.1f}% | {whole / sum(alone):.2f}"
+        paper = _paper_ratio(composite, parts)
+        paper_cells = "— | — | —" if paper is None else f"{100 * paper[0]:+.1f}% | {100 * paper[1]:+.1f}% | {paper[2]:.2f}"
         seeds = "/".join(map(str, sorted(set(cell["seeds"].values()))))
         rows.append(f"| {composite} = {' + '.join(parts)} | {seeds} | {100 * cell['gain']:+.1f}% | "
-                    f"{100 * cell['sum']:+.1f}% | {ratio} | {paper} |")
+                    f"{100 * cell['sum']:+.1f}% | {_ratio_words(cell)} | {paper_cells} |")
     if not rows:
         return []
     return [f"## Do the terms compose? (T={key[1:]}, mean over suites)", "",
@@ -122,3 +161,21 @@ def beside_lines(columns: dict[str, tuple[dict, str]], configs: list[str], key: 
             for c in configs if any(cell is not None for cell in cells[c])]
     return [f"## Gains over uniform across budgets (T={key[1:]}, mean over suites)", "",
             "| configuration | " + " | ".join(columns) + " | paper |", "|---" * (len(columns) + 2) + "|", *rows, ""]
+
+
+def beside_composition_lines(columns: dict[str, tuple[dict, str]], key: str = "t0") -> list[str]:
+    """Markdown: each composite's ratio to the sum of its terms (:func:`composition_of`) in several reports side by
+    side, then the paper's; none where no report has one. ``columns`` as :func:`beside_lines`'."""
+    rows = []
+    for composite, parts in COMPOSITES.items():
+        cells = [composition_of(report, composite + suffix, [p + suffix for p in parts], key)
+                 for report, suffix in columns.values()]
+        if any(cell is not None for cell in cells):
+            rows.append(f"| {composite} / ({' + '.join(parts)}) | " + " | ".join(_ratio_words(c, True) for c in cells)
+                        + f" | {_paper_ratio(composite, parts)[2]:.2f} |")
+    if not rows:
+        return []
+    return [f"## Do the terms compose across budgets? (T={key[1:]}, mean over suites)", "",
+            ("Each composite's gain over the sum of its terms' gains alone (1: they add), with its 95% interval where the "
+             "report kept every run's prompts."), "",
+            "| ratio | " + " | ".join(columns) + " | paper |", "|---" * (len(columns) + 2) + "|", *rows, ""]

@@ -35,9 +35,9 @@ def _legend(fig, axes, names: Sequence[str]) -> None:
             if label not in labels:
                 handles.append(h)
                 labels.append(label)
-    order = [labels.index(n) for n in names if n in labels]
-    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
-               ncol=min(len(order), 5), title="configuration")
+    if order := [labels.index(n) for n in names if n in labels]:  # none where no panel drew a line
+        fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
+                   ncol=min(len(order), 5), title="configuration")
 
 
 def _bar_panels(plt, report: dict, bars: int, panel_height: float, **kwargs):

@@ -65,15 +65,16 @@ def make_paths_portable(report: dict) -> Path | None:
 
 def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "uniform",
                  num_bootstrap: int = 1000, seed: int = 0, speed_runs: Sequence[Run] = (), paper: bool = False,
-                 untimed: str | None = None) -> dict:
+                 untimed: str | None = None, composites: dict[str, Sequence[str]] | None = None) -> dict:
     """Write report.md, report.json and the PNGs to ``out``; returns report.json's content (with ``files``).
     ``speed_runs``: evaluations at batch 1 whose speeds make the report's speed section (:mod:`.speed`);
-    ``paper``: a section with the paper's figures beside this report's (:mod:`.paper`); ``untimed``: why the
+    ``paper``: a section with the paper's figures beside this report's (:mod:`.paper`), and the composition of
+    :data:`.paper.COMPOSITES` unless ``composites`` (composite -> its terms' rows) names others; ``untimed``: why the
     evaluations' own speeds are left out (:func:`.tables.render_markdown`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed,
-                          composites=COMPOSITES if paper else None)
+                          composites=composites or (COMPOSITES if paper else None))
     base = make_paths_portable(report)
     report["runs_folder"] = base.name if base is not None else None
     if report["across_seeds"]:  # plots show configurations (seed means), not every run
@@ -97,8 +98,9 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     markdown = render_markdown(report, plots, untimed)
     if paper:
         report["paper_tau"] = PAPER_TAU
-        markdown += "\n".join(line for key in report["table"] for line in
-                               [*paper_lines(report, key), *composition_lines(report, key)]) + "\n"
+    beside = [line for key in report["table"] for line in
+              [*(paper_lines(report, key) if paper else []), *composition_lines(report, key)]]
+    markdown += "\n".join(beside) + "\n" if beside else ""
     if speed_runs:
         report["speed"] = speed_table(speed_runs)
         plots.append(plot_speed(report["speed"], out / "speed.png"))
