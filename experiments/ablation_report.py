@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.reporting.budget_curve import budget_points, write_budget
-from experiments.reporting.paper import beside_composition_lines, beside_lines, composites
+from experiments.reporting.paper import beside_composition_lines, beside_lines, suffixed_composites
 from experiments.reporting.plots import plot_beside
 from experiments.reporting.precision import write_quality
 from experiments.reporting.runs import Run, find_results, load_runs, order_runs
@@ -177,7 +177,7 @@ def long_reports(runs: Path, out: Path, short: Path | None = None) -> list[str]:
             continue
         suffix = baseline.removeprefix("uniform")  # the rows' suffix: "_tree" in a tree report
         if _report(paths, out / name, [loss + suffix for loss in ORDER], paper=sub == "eval", baseline=baseline,
-                   untimed=QUEUE_TIMES, composites=composites(suffix))[1] is not None:
+                   untimed=QUEUE_TIMES, composites=suffixed_composites(suffix))[1] is not None:
             written.append(name)
     if "ablation_long" in written:
         write_beside(out, written, short)

@@ -80,7 +80,7 @@ def gain_of(report: dict, config: str, key: str = "t0", suite: str = MEAN) -> di
     return {"gain": cell["gain"], "ci_low": cell.get("gain_ci_low"), "ci_high": cell.get("gain_ci_high"), "seeds": 1}
 
 
-def composites(suffix: str = "") -> dict[str, tuple[str, ...]]:
+def suffixed_composites(suffix: str = "") -> dict[str, tuple[str, ...]]:
     """:data:`COMPOSITES` with ``suffix`` on every name (a tree report's rows: ``l2r_all_tree``)."""
     return {c + suffix: tuple(p + suffix for p in parts) for c, parts in COMPOSITES.items()}
 
