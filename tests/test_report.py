@@ -450,8 +450,9 @@ def test_a_configuration_evaluated_at_t0_only_leaves_the_other_temperatures_mean
     assert mean_t1["tau"] == pytest.approx(expected)
     assert mean_t1["gain_ci_low"] is not None and mean_t1["gain_ci_low"] <= mean_t1["gain"] <= mean_t1["gain_ci_high"]
     md = (tmp_path / "out" / "report.md").read_text()
-    t1 = md[md.index("## Temperature 1"):]
-    assert "| lookup |" in md[:md.index("## Temperature 1")] and "| lookup |" not in t1
+    start = md.index("## Temperature 1")
+    t1 = md[start:md.index("\n## ", start)]  # to the next section (the plots)
+    assert "| lookup |" in md[:start] and "| lookup |" not in t1
     assert "### Speed (speculative / target-only" in t1
 
 
@@ -746,3 +747,21 @@ def test_slots_past_what_a_step_drafts_have_no_acceptance_rate():
     curves = build_report(runs, baseline=None, num_bootstrap=10)["curves"]["t0"]["code"]
     assert {name: c["position_acceptance"] for name, c in curves.items()} == {
         "chain": [0.5, 0.4, None], "all_k": [0.5, 0.4, 0.0], "tree": [0.5, None, None], "hybrid": [0.5, 0.4, None]}
+
+
+def test_where_drafts_are_kept_sums_each_configurations_histograms_over_suites():
+    """reach_lines: the share of steps keeping at least k drafts, k up to the deepest any step kept, from the accept
+    histograms summed over suites (of unequal lengths); a configuration without one has no row; none at all: no
+    section."""
+    from experiments.reporting.tables import reach_lines
+
+    curves = {"code": {"a": {"accept_hist": [6, 3, 1]}, "b": {"accept_hist": [2, 2, 0, 0]}},
+              "chat": {"a": {"accept_hist": [10]}, "b": {"accept_hist": [4, 1, 1, 0]}, "c": {"accept_hist": None}}}
+    report = {"temperatures": {"t0": 0.0}, "curves": {"t0": curves},
+              "configurations": [{"name": n} for n in ("a", "b", "c")]}
+    lines = reach_lines(report)
+    assert lines[1] == "### Steps keeping at least k drafts (T=0, summed over suites)"
+    assert lines[3:] == ["| configuration | k ≥ 1 | k ≥ 2 |", "|---|---|---|",
+                         "| a | 20.0% | 5.0% |",  # 20 steps: 4 kept >= 1, 1 kept 2
+                         "| b | 40.0% | 10.0% |"]  # 10 steps: 4 kept >= 1, 1 kept 2
+    assert reach_lines({**report, "curves": {"t0": {"code": {"a": {"accept_hist": [5, 0]}}}}}) == []

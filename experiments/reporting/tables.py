@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from experiments.reporting.stats import MEAN
 
 OVERLAP_MARK = "°"
@@ -174,3 +176,29 @@ def render_markdown(report: dict, plots: Sequence[str] = (), untimed: str | None
         for p in plots:
             lines += ["", f"![{Path(p).stem}]({Path(p).name})"]
     return "\n".join(lines) + "\n"
+
+
+def reach_lines(report: dict) -> list[str]:
+    """Markdown: per temperature, the share of verification steps that keep at least k drafts (k = 1 to the most any
+    step kept), each configuration's accept histograms summed over its suites (and seeds, in a seed view): where
+    drafts pass slot 1, 2, ... Nothing where no configuration recorded a histogram."""
+    lines = []
+    for key, temperature in report["temperatures"].items():
+        totals: dict[str, np.ndarray] = {}
+        for by_name in report["curves"].get(key, {}).values():
+            for name, curve in by_name.items():
+                if curve.get("accept_hist"):
+                    hist = np.asarray(curve["accept_hist"], dtype=np.int64)
+                    have = totals.get(name, np.zeros(0, dtype=np.int64))
+                    width = max(len(have), len(hist))
+                    totals[name] = np.pad(have, (0, width - len(have))) + np.pad(hist, (0, width - len(hist)))
+        totals = {n: t for n, t in totals.items() if t.sum() > 0}
+        deepest = max((int(np.flatnonzero(t)[-1]) for t in totals.values()), default=0)
+        if deepest == 0:
+            continue
+        names = [c["name"] for c in report["configurations"] if c["name"] in totals]
+        rows = [[n, *(f"{100 * totals[n][k:].sum() / totals[n].sum():.1f}%" for k in range(1, deepest + 1))]
+                for n in names]
+        lines += ["", f"### Steps keeping at least k drafts (T={temperature:g}, summed over suites)", ""]
+        lines += _table(["configuration", *(f"k ≥ {k}" for k in range(1, deepest + 1))], rows)
+    return lines

@@ -20,7 +20,7 @@ from experiments.reporting.plots import (
 from experiments.reporting.runs import CURVE_METRIC, Run, training_curve
 from experiments.reporting.speed import plot_speed, speed_lines, speed_table
 from experiments.reporting.stats import build_report, mean_curves, seed_view
-from experiments.reporting.tables import render_markdown
+from experiments.reporting.tables import reach_lines, render_markdown
 
 
 def is_data_folder(path: str | Path) -> bool:
@@ -96,6 +96,9 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     elif curves:
         plots.append(plot_training_curves(curves, out / "training_curves.png"))
     markdown = render_markdown(report, plots, untimed)
+    if reach := reach_lines(view):
+        markdown += "\n".join(["", "## Where drafts are kept" + (" (seeds summed)" if view is not report else ""),
+                               *reach, ""]) + "\n"
     if paper:
         report["paper_tau"] = PAPER_TAU
     beside = [line for key in report["table"] for line in
