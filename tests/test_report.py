@@ -765,3 +765,13 @@ def test_where_drafts_are_kept_sums_each_configurations_histograms_over_suites()
                          "| a | 20.0% | 5.0% |",  # 20 steps: 4 kept >= 1, 1 kept 2
                          "| b | 40.0% | 10.0% |"]  # 10 steps: 4 kept >= 1, 1 kept 2
     assert reach_lines({**report, "curves": {"t0": {"code": {"a": {"accept_hist": [5, 0]}}}}}) == []
+
+
+def test_where_drafts_are_kept_names_the_deepest_step_past_six_columns():
+    from experiments.reporting.tables import reach_lines
+
+    report = {"temperatures": {"t0": 0.0}, "curves": {"t0": {"code": {"a": {"accept_hist": [5] + [1] * 10}}}},
+              "configurations": [{"name": "a"}]}
+    header, _, row = reach_lines(report)[3:]
+    assert header == "| configuration | k ≥ 1 | k ≥ 2 | k ≥ 3 | k ≥ 4 | k ≥ 5 | k ≥ 6 | k ≥ 10 |"
+    assert row == "| a | 66.7% | 60.0% | 53.3% | 46.7% | 40.0% | 33.3% | 6.7% |"  # 15 steps; 1 kept 10

@@ -178,9 +178,12 @@ def render_markdown(report: dict, plots: Sequence[str] = (), untimed: str | None
     return "\n".join(lines) + "\n"
 
 
+REACH_COLUMNS = 6  # reach_lines' k = 1..6, then the deepest any step reached
+
+
 def reach_lines(report: dict) -> list[str]:
-    """Markdown: per temperature, the share of verification steps that keep at least k drafts (k = 1 to the most any
-    step kept), each configuration's accept histograms summed over its suites (and seeds, in a seed view): where
+    """Markdown: per temperature, the share of verification steps that keep at least k drafts (k = 1 to
+    :data:`REACH_COLUMNS`, then the most any step kept), each configuration's accept histograms summed over its suites (and seeds, in a seed view): where
     drafts pass slot 1, 2, ... Nothing where no configuration recorded a histogram."""
     lines = []
     for key, temperature in report["temperatures"].items():
@@ -197,8 +200,8 @@ def reach_lines(report: dict) -> list[str]:
         if deepest == 0:
             continue
         names = [c["name"] for c in report["configurations"] if c["name"] in totals]
-        rows = [[n, *(f"{100 * totals[n][k:].sum() / totals[n].sum():.1f}%" for k in range(1, deepest + 1))]
-                for n in names]
+        ks = [*range(1, min(deepest, REACH_COLUMNS) + 1), *([deepest] if deepest > REACH_COLUMNS else [])]
+        rows = [[n, *(f"{100 * totals[n][k:].sum() / totals[n].sum():.1f}%" for k in ks)] for n in names]
         lines += ["", f"### Steps keeping at least k drafts (T={temperature:g}, summed over suites)", ""]
-        lines += _table(["configuration", *(f"k ≥ {k}" for k in range(1, deepest + 1))], rows)
+        lines += _table(["configuration", *(f"k ≥ {k}" for k in ks)], rows)
     return lines
