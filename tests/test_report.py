@@ -588,7 +588,8 @@ def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms_with_
 
 def test_composition_resamples_every_run_with_the_same_prompts():
     """A composite whose runs are copies of its one term's has the ratio 1 in every resample (the prompts drawn
-    once for all runs), so its interval is [1, 1]; terms that lose make the ratio undefined, shown as —."""
+    once for all runs), so its interval is [1, 1]; terms that lose make the ratio undefined, shown as —, and terms
+    whose sum's interval holds 0 leave the ratio without an interval."""
     from experiments.reporting.paper import composition_lines
 
     runs = [_seeded_run(c, s, r) for c, r in {"uniform": 1.4, "decay": 1.55}.items() for s in (0, 1)]
@@ -601,6 +602,13 @@ def test_composition_resamples_every_run_with_the_same_prompts():
     report = rp.build_report(worse, num_bootstrap=50, composites={"chain": ("decay",)})
     assert report["composition"]["t0"]["chain"]["ratio"] is None
     assert any(line.startswith("| chain = decay | 1 |") and "| — |" in line for line in composition_lines(report, "t0"))
+    near_zero = [_seeded_run(c, 0, r) for c, r in {"uniform": 1.4, "decay": 1.42, "chain": 1.6}.items()]
+    cell = rp.build_report(near_zero, num_bootstrap=200, composites={"chain": ("decay",)})["composition"]["t0"]["chain"]
+    assert cell["sum_ci_low"] < 0 < cell["sum"] < cell["sum_ci_high"] and cell["ratio"] > 0  # decay's gain: noise
+    assert cell["ratio_ci_low"] is None and cell["ratio_ci_high"] is None  # a ratio to about 0: no interval given
+    assert (f"{cell['ratio']:.2f} (the sum's interval [{100 * cell['sum_ci_low']:+.1f}%, "
+            f"{100 * cell['sum_ci_high']:+.1f}%] holds 0)") in "".join(
+        composition_lines({"composition": {"t0": {"chain": cell}}}, "t0"))
 
 
 def _long_evaluation(folder, run, sub, name, loss, seed, doc, drafter=None):

@@ -118,6 +118,8 @@ def _ratio_words(cell: dict | None, seeds: bool = False) -> str:
     words = f"{cell['ratio']:.2f}"
     if cell["ratio_ci_low"] is not None:
         words += f" [{cell['ratio_ci_low']:.2f}, {cell['ratio_ci_high']:.2f}]"
+    elif cell.get("sum_ci_low") is not None:
+        words += f" (the sum's interval [{100 * cell['sum_ci_low']:+.1f}%, {100 * cell['sum_ci_high']:+.1f}%] holds 0)"
     counts = sorted(set(cell["seeds"].values()))
     return words + (f" ({'/'.join(map(str, counts))} seeds)" if seeds and max(counts) > 1 else "")
 

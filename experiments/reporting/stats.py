@@ -194,9 +194,10 @@ def _gain_draws(groups: list[list[tuple[Run, Run]]], suites: list[str], key: str
 def _composition(runs: Sequence[Run], table: dict, base_of: dict[str, str], common: dict[str, list[str]],
                  composites: dict[str, Sequence[str]], num_bootstrap: int, seed: int) -> dict:
     """``{t_key: {composite: cell}}``: each composite's gain over the baseline on the suites' mean beside the sum of
-    its single terms' gains, each the mean over its seeds' paired gains, and ``ratio`` = gain / sum with the 95%
-    interval of one bootstrap over the prompts for every run (``ratio_ci_low/high``; None without per-prompt
-    records). A composite is left out where it or one of its terms has no run with a gain at that temperature."""
+    its single terms' gains, each the mean over its seeds' paired gains, and ``ratio`` = gain / sum, with the 95%
+    intervals of one bootstrap over the prompts for every run: ``sum_ci_low/high`` and ``ratio_ci_low/high`` (None
+    without per-prompt records, and the ratio's where the sum's interval reaches 0). A composite is left out where it
+    or one of its terms has no run with a gain at that temperature."""
     by_name, out = {r.name: r for r in runs}, {}
     for key, suites in common.items():
         cells = table[key].get(MEAN if len(suites) > 1 else suites[0], {}) if suites else {}
@@ -212,8 +213,10 @@ def _composition(runs: Sequence[Run], table: dict, base_of: dict[str, str], comm
                     "ratio": gains[0] / total if total > 0 else None, "ratio_ci_low": None, "ratio_ci_high": None,
                     "seeds": {c: len(group) for c, group in zip((composite, *parts), groups)}}
             draws = _gain_draws(groups, suites, key, num_bootstrap, _rng(seed, key, composite, "composition"))
-            if draws is not None and total > 0:
-                cell["ratio_ci_low"], cell["ratio_ci_high"] = _interval(draws[0] / draws[1:].sum(axis=0))
+            if draws is not None:
+                cell["sum_ci_low"], cell["sum_ci_high"] = _interval(draws[1:].sum(axis=0))
+                if cell["sum_ci_low"] > 0:  # else a ratio to a sum near 0 has no interval worth giving
+                    cell["ratio_ci_low"], cell["ratio_ci_high"] = _interval(draws[0] / draws[1:].sum(axis=0))
             out.setdefault(key, {})[composite] = cell
     return out
 
