@@ -565,14 +565,14 @@ def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms_with_
     """build_report(composites=...): per temperature each composite's gain (the mean of its seeds' paired gains)
     beside the sum of its terms' gains, their ratio and its interval from one bootstrap for every run; a composite
     whose terms were not all run has none; the markdown puts the paper's ratio beside."""
-    from experiments.reporting.paper import COMPOSITES, PAPER_TAU, composition_lines
+    from experiments.reporting.paper import COMPOSITES, PAPER_TAU, composition_lines, composition_of
 
     rates = {"uniform": 1.4, "decay": 1.5, "focal": 1.47, "chain": 1.49, "l2r_all": 1.52}
     runs = [_seeded_run(c, s, r) for c, r in rates.items() for s in (0, 1)]
     report = rp.build_report(runs, num_bootstrap=400, composites=COMPOSITES)
     cell = report["composition"]["t0"]["l2r_all"]
     gain = {c: np.mean(report["across_seeds"]["t0"][rp.MEAN][c]["gains"]) for c in rates if c != "uniform"}
-    assert cell["gain"] == pytest.approx(gain["l2r_all"]) and cell["seeds"]["chain"] == 2
+    assert cell["gain"] == pytest.approx(gain["l2r_all"]) and cell["seeds"] == [0, 1]
     assert cell["sum"] == pytest.approx(gain["decay"] + gain["focal"] + gain["chain"])
     assert cell["ratio"] == pytest.approx(cell["gain"] / cell["sum"])
     assert cell["ratio_ci_low"] < cell["ratio"] < cell["ratio_ci_high"]
@@ -583,6 +583,15 @@ def test_composition_puts_each_composites_gain_beside_the_sum_of_its_terms_with_
            f"{100 * sum(paper[1:]):+.1f}% | {paper[0] / sum(paper[1:]):.2f} |")
     assert row in composition_lines(report, "t0")
     assert "composition" not in rp.build_report(runs, num_bootstrap=50)
+    # a term trained at seed 0 only: every gain of the ratio is taken over seed 0 alone, here and from report.json
+    partial = rp.build_report([r for r in runs if (r.config, r.seed) != ("chain", 1)], num_bootstrap=200,
+                              composites=COMPOSITES)
+    cell = partial["composition"]["t0"]["l2r_all"]
+    seed0 = {r.config: partial["table"]["t0"][rp.MEAN][r.name].get("gain") for r in runs if r.seed == 0}
+    assert cell["seeds"] == [0] and cell["gain"] == pytest.approx(seed0["l2r_all"])
+    assert cell["sum"] == pytest.approx(seed0["decay"] + seed0["focal"] + seed0["chain"])
+    fallback = composition_of({**partial, "composition": None}, "l2r_all", ("decay", "focal", "chain"))
+    assert fallback["ratio"] == pytest.approx(cell["ratio"]) and fallback["ratio_ci_low"] is None
     assert composition_lines({"configurations": [], "table": {}}, "t0") == []
 
 

@@ -98,18 +98,23 @@ def _paper_ratio(composite: str, parts: Sequence[str]) -> tuple[float, float, fl
 
 def composition_of(report: dict, composite: str, parts: Sequence[str], key: str = "t0") -> dict | None:
     """``report["composition"][key][composite]`` (:func:`experiments.reporting.stats.build_report`: the ratio with its
-    interval); else, for a report written without it, the ratio of the seed-mean gains (:func:`gain_of`) without one;
-    None where the composite or a term has no gain."""
+    interval); else, for a report written without it, the ratio of the gains on the suites' mean, each the mean over
+    the seeds the composite and every term have, without an interval; None where they share no seed with a gain."""
     cell = (report.get("composition") or {}).get(key, {}).get(composite)
     if cell is not None:
         return cell
-    gains = [gain_of(report, c, key) for c in (composite, *parts)]
-    if any(g is None for g in gains):
+    cells = report["table"].get(key, {}).get(MEAN, {})
+    by_seed = [{c["seed"]: cells[c["name"]]["gain"] for c in report["configurations"]
+                if c["config"] == config and cells.get(c["name"], {}).get("gain") is not None}
+               for config in (composite, *parts)]
+    shared = set.intersection(*(set(gains) for gains in by_seed))
+    if not shared:
         return None
-    total = sum(g["gain"] for g in gains[1:])
-    return {"gain": gains[0]["gain"], "terms": {c: g["gain"] for c, g in zip(parts, gains[1:])}, "sum": total,
-            "ratio": gains[0]["gain"] / total if total > 0 else None, "ratio_ci_low": None, "ratio_ci_high": None,
-            "seeds": {c: g["seeds"] or 1 for c, g in zip((composite, *parts), gains)}}
+    whole, *alone = (sum(gains[s] for s in shared) / len(shared) for gains in by_seed)
+    total = sum(alone)
+    return {"gain": whole, "terms": dict(zip(parts, alone)), "sum": total,
+            "ratio": whole / total if total > 0 else None, "ratio_ci_low": None, "ratio_ci_high": None,
+            "seeds": sorted(shared, key=str)}
 
 
 def _ratio_words(cell: dict | None, seeds: bool = False) -> str:
@@ -120,8 +125,7 @@ def _ratio_words(cell: dict | None, seeds: bool = False) -> str:
         words += f" [{cell['ratio_ci_low']:.2f}, {cell['ratio_ci_high']:.2f}]"
     elif cell.get("sum_ci_low") is not None:
         words += f" (the sum's interval [{100 * cell['sum_ci_low']:+.1f}%, {100 * cell['sum_ci_high']:+.1f}%] holds 0)"
-    counts = sorted(set(cell["seeds"].values()))
-    return words + (f" ({'/'.join(map(str, counts))} seeds)" if seeds and max(counts) > 1 else "")
+    return words + (f" ({len(cell['seeds'])} seeds)" if seeds and len(cell["seeds"]) > 1 else "")
 
 
 def composition_lines(report: dict, key: str = "t0") -> list[str]:
@@ -133,15 +137,15 @@ def composition_lines(report: dict, key: str = "t0") -> list[str]:
         parts = list(cell["terms"])
         paper = _paper_ratio(composite, parts)
         paper_cells = "— | — | —" if paper is None else f"{100 * paper[0]:+.1f}% | {100 * paper[1]:+.1f}% | {paper[2]:.2f}"
-        seeds = "/".join(map(str, sorted(set(cell["seeds"].values()))))
-        rows.append(f"| {composite} = {' + '.join(parts)} | {seeds} | {100 * cell['gain']:+.1f}% | "
+        rows.append(f"| {composite} = {' + '.join(parts)} | {len(cell['seeds'])} | {100 * cell['gain']:+.1f}% | "
                     f"{100 * cell['sum']:+.1f}% | {_ratio_words(cell)} | {paper_cells} |")
     if not rows:
         return []
     return [f"## Do the terms compose? (T={key[1:]}, mean over suites)", "",
-            ("Each composite's gain over uniform beside the sum of its terms' gains alone (each the mean over its "
-             "seeds' paired gains); the ratio is 1 where they add, with its 95% interval from one bootstrap over the "
-             "prompts for every run."), "",
+            (f"Each composite's gain over {report.get('baseline') or 'the baseline'} beside the sum of its terms' "
+             "gains alone, each the mean of its paired gains over the seeds all of them have; the ratio is 1 where "
+             "they add. Its 95% interval: one bootstrap over the prompts for every run, given these trainings (the "
+             "spread between seeds is not in it)."), "",
             "| composite | seeds | gain here | sum of terms here | ratio [95%] | paper gain | paper sum | paper ratio |",
             "|---|---|---|---|---|---|---|---|", *rows, ""]
 

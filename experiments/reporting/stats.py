@@ -194,10 +194,11 @@ def _gain_draws(groups: list[list[tuple[Run, Run]]], suites: list[str], key: str
 def _composition(runs: Sequence[Run], table: dict, base_of: dict[str, str], common: dict[str, list[str]],
                  composites: dict[str, Sequence[str]], num_bootstrap: int, seed: int) -> dict:
     """``{t_key: {composite: cell}}``: each composite's gain over the baseline on the suites' mean beside the sum of
-    its single terms' gains, each the mean over its seeds' paired gains, and ``ratio`` = gain / sum, with the 95%
-    intervals of one bootstrap over the prompts for every run: ``sum_ci_low/high`` and ``ratio_ci_low/high`` (None
-    without per-prompt records, and the ratio's where the sum's interval reaches 0). A composite is left out where it
-    or one of its terms has no run with a gain at that temperature."""
+    its single terms' gains, each the mean of its paired gains over the ``seeds`` every one of them has, and ``ratio`` =
+    gain / sum, with the 95% intervals of one bootstrap over the prompts for every run (given these trainings: seed
+    to seed variance is not in them): ``sum_ci_low/high`` and ``ratio_ci_low/high`` (None without per-prompt records,
+    and the ratio's where the sum's interval reaches 0). A composite is left out where it and its terms share no seed
+    with a gain at that temperature."""
     by_name, out = {r.name: r for r in runs}, {}
     for key, suites in common.items():
         cells = table[key].get(MEAN if len(suites) > 1 else suites[0], {}) if suites else {}
@@ -205,13 +206,15 @@ def _composition(runs: Sequence[Run], table: dict, base_of: dict[str, str], comm
             groups = [[(r, by_name[base_of[r.name]]) for r in runs
                        if r.config == c and r.name in base_of and "gain" in cells.get(r.name, {})]
                       for c in (composite, *parts)]
+            shared = set.intersection(*({r.seed for r, _ in group} for group in groups))  # one seed set for all
+            groups = [[pair for pair in group if pair[0].seed in shared] for group in groups]
             if not all(groups):
                 continue
             gains = [float(np.mean([cells[r.name]["gain"] for r, _ in group])) for group in groups]
             total = sum(gains[1:])
             cell = {"gain": gains[0], "terms": dict(zip(parts, gains[1:])), "sum": total,
                     "ratio": gains[0] / total if total > 0 else None, "ratio_ci_low": None, "ratio_ci_high": None,
-                    "seeds": {c: len(group) for c, group in zip((composite, *parts), groups)}}
+                    "seeds": sorted(shared, key=str)}
             draws = _gain_draws(groups, suites, key, num_bootstrap, _rng(seed, key, composite, "composition"))
             if draws is not None:
                 cell["sum_ci_low"], cell["sum_ci_high"] = _interval(draws[1:].sum(axis=0))
@@ -381,7 +384,8 @@ def seed_view(report: dict) -> dict:
                 accs = [g["position_acceptance"] for g in got if g.get("position_acceptance")]
                 if not got:
                     continue
-                hist = np.sum(hists, axis=0).tolist() if hists and len({len(h) for h in hists}) == 1 else None
+                width = max(map(len, hists), default=0)  # padded: a seed's histogram may stop short of another's
+                hist = np.sum([np.pad(h, (0, width - len(h))) for h in hists], axis=0).tolist() if hists else None
                 acc = None
                 if accs and len({len(a) for a in accs}) == 1:
                     acc = [float(np.mean(vals)) if (vals := [a[k] for a in accs if a[k] is not None]) else None

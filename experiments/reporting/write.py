@@ -74,7 +74,7 @@ def write_report(runs: Sequence[Run], out: str | Path, baseline: str | None = "u
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(runs, baseline=baseline, num_bootstrap=num_bootstrap, seed=seed,
-                          composites=composites or (COMPOSITES if paper else None))
+                          composites=COMPOSITES if composites is None and paper else composites)
     base = make_paths_portable(report)
     report["runs_folder"] = base.name if base is not None else None
     if report["across_seeds"]:  # plots show configurations (seed means), not every run
