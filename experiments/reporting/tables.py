@@ -183,8 +183,8 @@ REACH_COLUMNS = 6  # reach_lines' k = 1..6, then the deepest any step reached
 
 def reach_lines(report: dict) -> list[str]:
     """Markdown: per temperature, the share of verification steps that keep at least k drafts (k = 1 to
-    :data:`REACH_COLUMNS`, then the most any step kept), each configuration's accept histograms summed over its suites (and seeds, in a seed view): where
-    drafts pass slot 1, 2, ... Nothing where no configuration recorded a histogram."""
+    :data:`REACH_COLUMNS`, then the most any step kept), each configuration's accept histograms summed over its
+    suites (and seeds, in a seed view): where drafts pass slot 1, 2, ... Nothing where no histogram was recorded."""
     lines = []
     for key, temperature in report["temperatures"].items():
         totals: dict[str, np.ndarray] = {}
