@@ -27,21 +27,19 @@ def progress_line(step: int, total: int | None, rate: float, metrics: dict[str, 
 
 class ProgressLog(L.Callback):
     """Print :func:`progress_line` to stderr every ``every_s`` seconds of training where the trainer has no
-    progress bar (or always with ``with_bar``); ``metrics``: the logged metrics to show when present."""
+    progress bar; ``metrics``: the logged metrics to show when present."""
 
-    def __init__(self, every_s: float = 60.0, metrics: tuple[str, ...] = ("train/loss",), with_bar: bool = False):
+    def __init__(self, every_s: float = 60.0, metrics: tuple[str, ...] = ("train/loss",)):
         if every_s <= 0:
             raise ValueError(f"ProgressLog every_s must be > 0 seconds, got {every_s}")
-        self.every_s, self.metrics, self.with_bar = float(every_s), tuple(metrics), with_bar
+        self.every_s, self.metrics = float(every_s), tuple(metrics)
         self._last: tuple[float, int] | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._last = (clock(), trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._last is None or not trainer.is_global_zero:
-            return
-        if trainer.progress_bar_callback is not None and not self.with_bar:
+        if self._last is None or not trainer.is_global_zero or trainer.progress_bar_callback is not None:
             return
         now, step = clock(), trainer.global_step
         if now - self._last[0] < self.every_s:
