@@ -20,17 +20,16 @@ a Hydra entry point: it sweeps every loss config itself and writes one JSON file
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import hydra.utils
 import torch
 import torch.nn.functional as F
 
+from drafters.storage import write_json_atomic
 from experiments.bench import loss_configs, loss_names
 
 
@@ -148,10 +147,8 @@ def main(argv=None) -> dict:
                 a, b = f"loss_{clock}", f"step_{clock}"
                 print(f"{name:<12} {r[a + '_ms']:>8} {r[a + '_vs_uniform']:>7} {r[a + '_vs_torch_ce']:>8}   "
                       f"{r[b + '_ms']:>8} {r[b + '_vs_uniform']:>7} {r[b + '_vs_torch_ce']:>8}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    write_json_atomic(args.out, result)
+    print(f"\nwrote {args.out}")
     return result
 
 

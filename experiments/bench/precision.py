@@ -34,12 +34,12 @@ import functools
 import json
 import statistics
 import time
-from pathlib import Path
 
 import hydra.utils
 import torch
 
 from drafters import factory
+from drafters.storage import write_json_atomic
 from drafters.training.blocks import slot_stats
 from drafters.training.module import DrafterLightningModule
 from drafters.training.optim import warmup_cosine
@@ -231,10 +231,8 @@ def main(argv=None) -> dict:
         "bf16_over_fp32": speedup,
         "profile_bf16_step": profile,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"[bench_precision] wrote {out}", flush=True)
+    write_json_atomic(args.out, report)
+    print(f"[bench_precision] wrote {args.out}", flush=True)
     return report
 
 

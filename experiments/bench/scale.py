@@ -38,6 +38,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from drafters import factory
+from drafters.storage import write_json_atomic
 from drafters.training.blocks import select_blocks
 from drafters.training.module import DrafterLightningModule
 from drafters.training.optim import warmup_cosine
@@ -278,12 +279,10 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args, argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json_atomic(args.out, report)
     print(json.dumps({k: report[k] for k in ("regeneration", "prefill", "verification", "train_cached",
                                              "train_on_the_fly", "total_s")}, indent=1))
-    print(f"[bench_scale] wrote {out}", flush=True)
+    print(f"[bench_scale] wrote {args.out}", flush=True)
     return report
 
 

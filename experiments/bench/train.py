@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
-from pathlib import Path
 
 import hydra.utils
 import torch
 
 from drafters import factory
+from drafters.storage import write_json_atomic
 from drafters.tau import anchor_acceptance
 from drafters.training.blocks import select_blocks
 from drafters.training.module import DrafterLightningModule
@@ -225,10 +224,8 @@ def main(argv=None) -> dict:
         "validation_batch": bench_validation(target, args, batch),
         "reference": reference,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"[bench_train] wrote {out}", flush=True)
+    write_json_atomic(args.out, report)
+    print(f"[bench_train] wrote {args.out}", flush=True)
     return report
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from drafters.storage import write_json_atomic
 from experiments.data.prompts import left_pad
 from experiments.pipeline.records import machine
 from verify import AssistantDrafter, speculative_generate, target_generate, truncated_copy
@@ -189,11 +189,9 @@ def main(argv=None) -> dict:
         f"ratio_vs_hf_assisted_at_batch_{args.batch_sizes[0]}_cpu": first["spec_tokens_per_cpu_s"]
         / (total_new / cpu_seconds["hf_assisted"]),
     }
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2))
+    write_json_atomic(args.out, results)
     print(json.dumps({k: v for k, v in results.items() if k != "config"}, indent=2))
-    print(f"wrote {out_path}")
+    print(f"wrote {args.out}")
     return results
 
 
