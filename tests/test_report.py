@@ -767,20 +767,26 @@ def test_slots_past_what_a_step_drafts_have_no_acceptance_rate():
 
 
 def test_where_drafts_are_kept_sums_each_configurations_histograms_over_suites():
-    """reach_lines: the share of steps keeping at least k drafts, k up to the deepest any step kept, from the accept
-    histograms summed over suites (of unequal lengths); a configuration without one has no row; none at all: no
-    section."""
+    """reach_lines: the share of steps keeping at least k drafts, k up to the deepest any step kept, and each slot's
+    acceptance among the steps that reached it, from the accept histograms summed over suites (of unequal lengths);
+    a configuration without one has no row; none at all: no section."""
     from experiments.reporting.tables import reach_lines
 
-    curves = {"code": {"a": {"accept_hist": [6, 3, 1]}, "b": {"accept_hist": [2, 2, 0, 0]}},
+    curves = {"code": {"a": {"accept_hist": [6, 3, 1]}, "b": {"accept_hist": [2, 2, 0, 0]}, "d": {"accept_hist": [7]}},
               "chat": {"a": {"accept_hist": [10]}, "b": {"accept_hist": [4, 1, 1, 0]}, "c": {"accept_hist": None}}}
     report = {"temperatures": {"t0": 0.0}, "curves": {"t0": curves},
-              "configurations": [{"name": n} for n in ("a", "b", "c")]}
+              "configurations": [{"name": n} for n in ("a", "b", "c", "d")]}
     lines = reach_lines(report)
     assert lines[1] == "### Steps keeping at least k drafts (T=0, summed over suites)"
-    assert lines[3:] == ["| configuration | k ≥ 1 | k ≥ 2 |", "|---|---|---|",
-                         "| a | 20.0% | 5.0% |",  # 20 steps: 4 kept >= 1, 1 kept 2
-                         "| b | 40.0% | 10.0% |"]  # 10 steps: 4 kept >= 1, 1 kept 2
+    assert lines[3:8] == ["| configuration | k ≥ 1 | k ≥ 2 |", "|---|---|---|",
+                          "| a | 20.0% | 5.0% |",  # 20 steps: 4 kept >= 1, 1 kept 2
+                          "| b | 40.0% | 10.0% |",  # 10 steps: 4 kept >= 1, 1 kept 2
+                          "| d | 0.0% | 0.0% |"]
+    assert lines[9].startswith("### Acceptance at slot k among the steps that reached it (T=0")
+    assert lines[13:] == ["| configuration | a_1 | a_2 |", "|---|---|---|",
+                          "| a | 20.0% (20) | 25.0% (4) |",  # slot 2: 1 of the 4 steps that kept slot 1
+                          "| b | 40.0% (10) | 25.0% (4) |",
+                          "| d | 0.0% (7) | — |"]  # no step reached slot 2
     assert reach_lines({**report, "curves": {"t0": {"code": {"a": {"accept_hist": [5, 0]}}}}}) == []
 
 
@@ -789,6 +795,9 @@ def test_where_drafts_are_kept_names_the_deepest_step_past_six_columns():
 
     report = {"temperatures": {"t0": 0.0}, "curves": {"t0": {"code": {"a": {"accept_hist": [5] + [1] * 10}}}},
               "configurations": [{"name": "a"}]}
-    header, _, row = reach_lines(report)[3:]
+    lines = reach_lines(report)
+    header, _, row = lines[3:6]
     assert header == "| configuration | k ≥ 1 | k ≥ 2 | k ≥ 3 | k ≥ 4 | k ≥ 5 | k ≥ 6 | k ≥ 10 |"
     assert row == "| a | 66.7% | 60.0% | 53.3% | 46.7% | 40.0% | 33.3% | 6.7% |"  # 15 steps; 1 kept 10
+    assert lines[-3] == "| configuration | a_1 | a_2 | a_3 | a_4 | a_5 | a_6 |"  # no deepest column here
+    assert lines[-1] == "| a | 66.7% (15) | 90.0% (10) | 88.9% (9) | 87.5% (8) | 85.7% (7) | 83.3% (6) |"

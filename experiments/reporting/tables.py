@@ -182,20 +182,14 @@ REACH_COLUMNS = 6  # reach_lines' k = 1..6, then the deepest any step reached
 
 
 def reach_lines(report: dict) -> list[str]:
-    """Markdown: per temperature, the share of verification steps that keep at least k drafts (k = 1 to
-    :data:`REACH_COLUMNS`, then the most any step kept), each configuration's accept histograms summed over its
-    suites (and seeds, in a seed view): where drafts pass slot 1, 2, ... Nothing where no histogram was recorded."""
+    """Markdown: per temperature, each configuration's accept histograms summed over its suites (and seeds, in a
+    seed view): the share of verification steps that keep at least k drafts (k = 1 to :data:`REACH_COLUMNS`, then
+    the most any step kept), and the acceptance at slot k among the steps that reached it, a_k = P(keep >= k | keep
+    >= k - 1), with how many steps reached it: where drafts pass slot 1, 2, ... Nothing where no histogram was
+    recorded."""
     lines = []
     for key, temperature in report["temperatures"].items():
-        totals: dict[str, np.ndarray] = {}
-        for by_name in report["curves"].get(key, {}).values():
-            for name, curve in by_name.items():
-                if curve.get("accept_hist"):
-                    hist = np.asarray(curve["accept_hist"], dtype=np.int64)
-                    have = totals.get(name, np.zeros(0, dtype=np.int64))
-                    width = max(len(have), len(hist))
-                    totals[name] = np.pad(have, (0, width - len(have))) + np.pad(hist, (0, width - len(hist)))
-        totals = {n: t for n, t in totals.items() if t.sum() > 0}
+        totals = _summed_hists(report["curves"].get(key, {}))
         deepest = max((int(np.flatnonzero(t)[-1]) for t in totals.values()), default=0)
         if deepest == 0:
             continue
@@ -204,4 +198,29 @@ def reach_lines(report: dict) -> list[str]:
         rows = [[n, *(f"{100 * totals[n][k:].sum() / totals[n].sum():.1f}%" for k in ks)] for n in names]
         lines += ["", f"### Steps keeping at least k drafts (T={temperature:g}, summed over suites)", ""]
         lines += _table(["configuration", *(f"k ≥ {k}" for k in ks)], rows)
+        ks = range(1, min(deepest, REACH_COLUMNS) + 1)
+        rows = [[n, *(_slot_acceptance(totals[n], k) for k in ks)] for n in names]
+        title = f"### Acceptance at slot k among the steps that reached it (T={temperature:g}, summed over suites)"
+        lines += ["", title, "", "a_k = P(keep ≥ k | keep ≥ k − 1); in parentheses, the steps that reached slot k.", ""]
+        lines += _table(["configuration", *(f"a_{k}" for k in ks)], rows)
     return lines
+
+
+def _summed_hists(curves: dict) -> dict[str, np.ndarray]:
+    """Per configuration, its accept histograms (steps keeping 0, 1, ... drafts) summed over suites, padded to the
+    longest; configurations with no step left out."""
+    totals: dict[str, np.ndarray] = {}
+    for by_name in curves.values():
+        for name, curve in by_name.items():
+            if curve.get("accept_hist"):
+                hist = np.asarray(curve["accept_hist"], dtype=np.int64)
+                have = totals.get(name, np.zeros(0, dtype=np.int64))
+                width = max(len(have), len(hist))
+                totals[name] = np.pad(have, (0, width - len(have))) + np.pad(hist, (0, width - len(hist)))
+    return {n: t for n, t in totals.items() if t.sum() > 0}
+
+
+def _slot_acceptance(hist: np.ndarray, k: int) -> str:
+    """``a_k (n)``: the share of the n steps that kept at least k - 1 drafts which kept at least k; "—" where none."""
+    reached = int(hist[k - 1:].sum())
+    return f"{100 * hist[k:].sum() / reached:.1f}% ({reached})" if reached else "—"
