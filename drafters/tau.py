@@ -92,10 +92,11 @@ def anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len,
 
 @torch.no_grad()
 def anchor_top(drafter, hidden_states, input_ids, attention_mask, prompt_len, length, k: int, slots: int,
-               vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               vocab: torch.Tensor | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The top ``k`` log-probabilities and tokens of the first ``slots`` slots of a block anchored at every column:
     ``(values (B, S, slots, k) float, ids (B, S, slots, k) long)``, drafting from the candidate ids ``vocab`` (V',)
-    if given (as :class:`drafters.policy.PolicyDrafter` drafts); columns that anchor no block hold zeros."""
+    if given (as :class:`drafters.policy.PolicyDrafter` drafts), each slot's distribution at ``temperature``
+    (softmax of logits / temperature); columns that anchor no block hold zeros."""
     bsz, seq = input_ids.shape
     k = min(k, drafter.config.vocab_size if vocab is None else vocab.numel())
     values = torch.zeros(bsz, seq + 1, slots, k)
@@ -103,7 +104,7 @@ def anchor_top(drafter, hidden_states, input_ids, attention_mask, prompt_len, le
     for anchors, amask, logits in anchor_logits(drafter, hidden_states, input_ids, attention_mask, prompt_len,
                                                 length, vocab=vocab):
         logits = logits[:, :, :slots].float()  # (B, A, W, V), or (B, A, W, V') over vocab
-        top_v, top_i = logits.log_softmax(-1).topk(k, dim=-1)
+        top_v, top_i = (logits / temperature).log_softmax(-1).topk(k, dim=-1)
         where = anchors.masked_fill(~amask, seq).cpu()  # (B, A): padding anchors to the spare column
         values[torch.arange(bsz).unsqueeze(1), where] = top_v.cpu()
         ids[torch.arange(bsz).unsqueeze(1), where] = (top_i if vocab is None else vocab[top_i]).cpu()

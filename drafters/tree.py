@@ -96,6 +96,9 @@ class TreePolicy:
 
     #: N, the drafter's best-first nodes per row (its tree); with ``chain_width`` unused.
     budget: int = 4
+    #: The tree ranks paths by slot probabilities softmax(logits / this): above 1 flattens each slot, so the N
+    #: nodes go wider (more runners-up) and less deep; 1 = the drafter's own. Any value is exact.
+    score_temperature: float = 1.0
     #: Draft the drafter's argmax chain of this many slots instead of a tree (null: the tree).
     chain_width: int | None = None
     #: Lookup's rows: those whose longest recurring suffix n-gram has at least this many tokens.
@@ -132,6 +135,8 @@ class TreePolicy:
             raise ValueError("a tree policy needs a drafter (drafter.path=<a trained block drafter>) or prompt lookup")
         if block is not None and not 1 <= self.budget <= 64:
             raise ValueError(f"drafter.budget={self.budget}: the tree's node count N must be in 1..64")
+        if not self.score_temperature > 0:
+            raise ValueError(f"drafter.score_temperature={self.score_temperature}: must be > 0")
         k = block.num_draft_tokens if block is not None else None
         if self.chain_width is not None and (block is None or not 1 <= self.chain_width <= k):
             raise ValueError(f"drafter.chain_width={self.chain_width}: must be in 1..{k} (K of the block drafter)")
@@ -215,7 +220,8 @@ class TreeDrafter:
         states = d.block_states(block, None if every else torch.tensor(rows, device=anchor_ids.device))  # (b, K, H)
         states = states[:, : self.policy.drafter_width(states.shape[1])]
         logits, vocab = self.block.candidate_logits(states)  # (b, W, V'): the rest of the vocabulary has q = 0
-        values, ids = logits.float().log_softmax(-1).topk(min(self.policy.budget, logits.shape[-1]), dim=-1)  # (b, W, n)
+        logits = logits.float() / self.policy.score_temperature
+        values, ids = logits.log_softmax(-1).topk(min(self.policy.budget, logits.shape[-1]), dim=-1)  # (b, W, n)
         ids = ids if vocab is None else vocab[ids]
         return {row: (v, i) for row, v, i in zip(rows, values.tolist(), ids.tolist())}
 

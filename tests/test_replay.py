@@ -30,6 +30,7 @@ def setup():
         "lookup": PromptLookupDrafter(len(tok), 4),
         "assistant": AssistantDrafter(truncated_copy(target, 1).eval(), 3),
         "tree": TreeDrafter(PolicyDrafter(block), None, TreePolicy(budget=6)),
+        "tree_flat": TreeDrafter(PolicyDrafter(block), None, TreePolicy(budget=6, score_temperature=4.0)),
         "tree_chain": TreeDrafter(PolicyDrafter(block), None, TreePolicy(chain_width=3)),
         "hybrid": TreeDrafter(PolicyDrafter(block), PromptLookupDrafter(len(tok), 4),
                               TreePolicy(budget=3, lookup_min_match=1, lookup_depth=4, lookup_paths=2)),
@@ -45,8 +46,8 @@ def _settings(**kw):
                             num_bootstrap=50, progress=False, measure_target_only=False, **kw)
 
 
-@pytest.mark.parametrize("name", ["block", "block_w2", "lookup", "assistant", "tree", "tree_chain", "hybrid",
-                                  "merged", "lookup_tree"])
+@pytest.mark.parametrize("name", ["block", "block_w2", "lookup", "assistant", "tree", "tree_flat", "tree_chain",
+                                  "hybrid", "merged", "lookup_tree"])
 def test_replayed_counts_equal_the_online_verifier(setup, name, tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path))
     tok, target, drafters = setup

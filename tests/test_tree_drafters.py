@@ -60,6 +60,7 @@ def _looping_prompts(vocab: int):
 
 POLICIES = {
     "tree": (False, {"budget": 6}),
+    "tree_flat": (False, {"budget": 6, "score_temperature": 4.0}),
     "chain": (False, {"chain_width": 3}),
     "hybrid": (True, {"budget": 4, "lookup_min_match": 2, "lookup_depth": 4}),
     "hybrid_paths": (True, {"budget": 3, "lookup_min_match": 1, "lookup_depth": 3, "lookup_paths": 3}),
@@ -85,9 +86,32 @@ def test_every_policy_is_greedy_exact(name):
     out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=24)
     assert torch.equal(out.sequences, ref)
     sources = {s for row in out.draft_sources for s in row}
-    expected = {"tree": {"drafter"}, "chain": {"drafter"}, "lookup_tree": {"lookup"}, "merged": {"merged", "drafter"},
+    expected = {"tree": {"drafter"}, "tree_flat": {"drafter"}, "chain": {"drafter"}, "lookup_tree": {"lookup"}, "merged": {"merged", "drafter"},
                 "hybrid": {"lookup", "drafter"}, "hybrid_paths": {"lookup", "drafter"}}[name]
     assert sources == expected
+
+
+def test_a_higher_score_temperature_spends_the_nodes_wider(monkeypatch):
+    """score_temperature flattens each slot before the best-first ranking: near 0 the argmax chain is taken first
+    (one node below the root), high it spends all N nodes on slot 1's runners-up; output is the target's either way."""
+    target = tiny_target("llama", vocab_size=64, seed=1)
+    ids, mask = _looping_prompts(64)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    original, trees = TreePolicy.row_tree, []
+    monkeypatch.setattr(TreePolicy, "row_tree", lambda self, lookup, top: trees.append(original(self, lookup, top))
+                        or trees[-1])
+    below_root = {}
+    for temperature in (0.02, 50.0):
+        trees.clear()
+        torch.manual_seed(7)
+        block = PolicyDrafter(build_drafter(target, "dflash", block_size=5))
+        drafter = TreeDrafter(block, None, TreePolicy(budget=6, score_temperature=temperature))
+        out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=12)
+        assert torch.equal(out.sequences, ref)
+        below_root[temperature] = [parents.count(-1) for _, parents, _ in trees]
+        assert [len(tokens) for tokens, _, _ in trees] == [6] * len(trees)
+    assert set(below_root[50.0]) == {6}  # all six nodes are slot 1's top six
+    assert max(below_root[0.02]) < 6 and sum(below_root[0.02]) < sum(below_root[50.0])
 
 
 def test_the_drafter_pass_is_skipped_where_lookup_serves_every_row(monkeypatch):
@@ -114,6 +138,8 @@ def test_bad_policies_are_refused():
         TreeDrafter(None, None)
     with pytest.raises(ValueError, match=r"drafter.budget=0"):
         TreeDrafter(block, None, TreePolicy(budget=0))
+    with pytest.raises(ValueError, match=r"drafter.score_temperature=0.0: must be > 0"):
+        TreeDrafter(block, None, TreePolicy(score_temperature=0.0))
     with pytest.raises(ValueError, match=r"drafter.chain_width=9: must be in 1..4"):
         TreeDrafter(block, None, TreePolicy(chain_width=9))
     with pytest.raises(ValueError, match="merge=true .* needs both"):

@@ -278,7 +278,7 @@ def corpus_lookup(target, data_dir: str, num_draft_tokens: int = 15, max_ngram: 
 
 
 def tree_drafter(target, path: str | None = None, name: str | None = None, lookup: bool = False, budget: int = 4,
-                 chain_width: int | None = None, lookup_min_match: int = 2, lookup_depth: int = 5,
+                 score_temperature: float = 1.0, chain_width: int | None = None, lookup_min_match: int = 2, lookup_depth: int = 5,
                  lookup_paths: int = 1, merge: bool = False, max_ngram: int = 3, min_ngram: int = 1,
                  draft_vocab_size: int | None = None, draft_vocab_from: str | None = None,
                  allow_other_target: bool = False, allow_edited_settings: bool = False) -> EvalDrafter:
@@ -287,8 +287,9 @@ def tree_drafter(target, path: str | None = None, name: str | None = None, looku
     rows whose last ``lookup_min_match`` tokens recur (the hybrid), or in every row beside the drafter's nodes
     (``merge``); ``path=None`` with ``lookup``: lookup's paths alone. :class:`drafters.tree.TreePolicy` documents
     and checks the settings (all exact)."""
-    policy = TreePolicy(budget=budget, chain_width=chain_width, lookup_min_match=lookup_min_match,
-                        lookup_depth=lookup_depth, lookup_paths=lookup_paths, merge=merge)
+    policy = TreePolicy(budget=budget, score_temperature=score_temperature, chain_width=chain_width,
+                        lookup_min_match=lookup_min_match, lookup_depth=lookup_depth, lookup_paths=lookup_paths,
+                        merge=merge)
     block = None
     if path is not None:
         _refuse_causal_lm(path)
@@ -302,7 +303,8 @@ def tree_drafter(target, path: str | None = None, name: str | None = None, looku
     lookup_settings = {"lookup": lookup, "max_ngram": max_ngram, "min_ngram": min_ngram} if lookup else {}
     info = dict(block.info) if block is not None else {
         "name": name, "path": None, "num_parameters": 0, "training_run": None, "config": {}}
-    shape = f"chain W={chain_width}" if chain_width is not None else f"best-first tree N={budget}"
+    scores = f" over slot probabilities at temperature {score_temperature:g}" if score_temperature != 1 else ""
+    shape = f"chain W={chain_width}" if chain_width is not None else f"best-first tree N={budget}{scores}"
     rule = ("merged with lookup's paths in every row" if merge else
             f"prompt lookup's {lookup_paths} path(s) of {lookup_depth} where the last >= {lookup_min_match} tokens recur"
             if lookup else "")

@@ -205,15 +205,17 @@ class TreeLeads:
 
 
 @torch.no_grad()
-def tree_tops(block, vocab: torch.Tensor | None, passes: Iterable[Pass], k: int,
-              slots: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """Per turn, a block drafter's top ``k`` log-probabilities and tokens of its first ``slots`` slots at every
-    anchor ((S, slots, k) each; :func:`drafters.tau.anchor_top`), from the target's teacher-forced passes over the
-    turns (:func:`teacher_passes`); and the target's argmax mismatches on the answers in those passes."""
+def tree_tops(block, vocab: torch.Tensor | None, passes: Iterable[Pass], k: int, slots: int,
+              temperature: float = 1.0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Per turn, a block drafter's top ``k`` log-probabilities (at ``temperature``) and tokens of its first
+    ``slots`` slots at every anchor ((S, slots, k) each; :func:`drafters.tau.anchor_top`), from the target's
+    teacher-forced passes over the turns (:func:`teacher_passes`); and the target's argmax mismatches on the answers
+    in those passes."""
     tops, mismatches = [], 0
     for batch, states, wrong in passes:
         values, ids = anchor_top(block, states, batch["input_ids"], batch["attention_mask"], batch["prompt_len"],
-                                 batch["length"], k, slots, None if vocab is None else vocab.to(states.device))
+                                 batch["length"], k, slots, None if vocab is None else vocab.to(states.device),
+                                 temperature)
         tops += list(zip(values, ids))
         mismatches += wrong
     return tops, mismatches
@@ -226,8 +228,9 @@ def tree_leads(drafter: TreeDrafter, target, turns: Sequence[Turn],
         return [TreeLeads(drafter, ids, None) for ids, _ in turns], 0
     block = drafter.block.drafter
     passes = teacher_passes(target, turns, block.target_layer_ids, cache=cache)
-    tops, mismatches = tree_tops(block, drafter.block.draft_vocab, passes, drafter.policy.budget,
-                                 drafter.policy.drafter_width(drafter.block.num_draft_tokens))
+    policy = drafter.policy
+    tops, mismatches = tree_tops(block, drafter.block.draft_vocab, passes, policy.budget,
+                                 policy.drafter_width(drafter.block.num_draft_tokens), policy.score_temperature)
     return [TreeLeads(drafter, ids, top) for (ids, _), top in zip(turns, tops)], mismatches
 
 
