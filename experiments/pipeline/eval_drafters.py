@@ -278,8 +278,9 @@ def corpus_lookup(target, data_dir: str, num_draft_tokens: int = 15, max_ngram: 
 
 
 def tree_drafter(target, path: str | None = None, name: str | None = None, lookup: bool = False, budget: int = 4,
-                 score_temperature: float = 1.0, chain_width: int | None = None, lookup_min_match: int = 2, lookup_depth: int = 5,
-                 lookup_paths: int = 1, merge: bool = False, max_ngram: int = 3, min_ngram: int = 1,
+                 score_temperature: float = 1.0, chain_width: int | None = None, lookup_min_match: int = 2,
+                 lookup_depth: int = 5, lookup_paths: int = 1, merge: bool = False, max_ngram: int = 3,
+                 min_ngram: int = 1,
                  draft_vocab_size: int | None = None, draft_vocab_from: str | None = None,
                  allow_other_target: bool = False, allow_edited_settings: bool = False) -> EvalDrafter:
     """Trees verified in one target pass (:mod:`drafters.tree`): the block drafter at ``path`` drafting best-first
